@@ -1,0 +1,136 @@
+"""tilecompile's settings: one typed table, defaults from ``TILECOMPILE_*`` env vars, per-compile overrides.
+
+Every setting has an env var ``TILECOMPILE_<NAME>`` and an ``options=`` key (``"<name>"`` or the env var's name).
+``torch.compile(..., options={...})`` wins over the environment. An invalid value is a ``ValueError`` that names
+the variable and the allowed values. Nothing else in the project reads ``os.environ`` for ``TILECOMPILE_*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    kind: type  # bool, int or str
+    default: Any
+    doc: str
+    choices: tuple[str, ...] = ()
+    minimum: int = 0
+
+
+_SPECS: dict[str, _Spec] = {
+    # passes: each 1 (on) or 0 (off)
+    "tensor_parallel": _Spec(bool, True, "lower tilecompile.parallelize() annotations to collectives"),
+    "fused_linear_ce": _Spec(bool, True, "lm_head -> log-prob / entropy / cross-entropy -> one fused op"),
+    "tiled_mlp": _Spec(bool, True, "gated MLPs -> sequence-chunked recompute regions"),
+    # safety: a failing rewrite raises instead of being undone with a warning
+    "strict": _Spec(bool, False, "raise when a pass fails instead of undoing it with a warning"),
+    # the compiler the rewritten graph is handed to
+    "inner": _Spec(str, "inductor", "inner compiler", ("inductor", "aot_eager", "eager")),
+    # logging level of the `tilecompile` logger
+    "log": _Spec(str, "warning", "log level of the tilecompile logger", ("warning", "info", "debug")),
+    # tiled_mlp: tokens per chunk; 0 = derived at run time from mlp_chunk_budget_mb
+    "mlp_chunk_tokens": _Spec(int, 0, "tokens per MLP chunk (0: from the memory budget)"),
+    # tiled_mlp: bytes of [chunk, intermediate] activations one chunk may hold, in MiB
+    "mlp_chunk_budget_mb": _Spec(int, 256, "MiB of intermediate activations per MLP chunk", minimum=1),
+    # tiled_mlp: below this many tokens the MLP is left alone (tiling would only cost time); 0 = always tile
+    "mlp_min_tokens": _Spec(int, 2048, "MLPs on fewer tokens are not tiled (0: always tile)"),
+    # tiled_mlp: dtype of the weight-gradient accumulators
+    "mlp_grad_accum": _Spec(str, "fp32", "weight-grad accumulation dtype", ("fp32", "param")),
+    # fused_linear_ce: vocabulary columns per chunk; 0 = chosen by the op
+    "ce_vocab_chunk": _Spec(int, 0, "vocab columns per chunk in the fused CE op (0: automatic)"),
+    # fused_linear_ce: check labels on CUDA (one device-side check and a host sync per call)
+    "check_inputs": _Spec(bool, False, "validate labels on CUDA (costs a host sync per call)"),
+}
+
+_ALIASES = {f"TILECOMPILE_{name.upper()}": name for name in _SPECS}
+
+
+def env_var(name: str) -> str:
+    return f"TILECOMPILE_{name.upper()}"
+
+
+def _parse(name: str, raw: Any, source: str) -> Any:
+    spec = _SPECS[name]
+    if spec.kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, int) and raw in (0, 1):
+            return bool(raw)
+        text = str(raw).strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise ValueError(f"{source}={raw!r} is invalid: allowed values are 1/0 (or true/false, on/off)")
+    if spec.kind is int:
+        try:
+            value = int(str(raw).strip()) if not isinstance(raw, int) or isinstance(raw, bool) else raw
+        except ValueError:
+            value = None
+        if value is None or isinstance(raw, bool) or value < spec.minimum:
+            raise ValueError(f"{source}={raw!r} is invalid: allowed values are integers >= {spec.minimum}")
+        return value
+    text = str(raw).strip().lower()
+    if text not in spec.choices:
+        raise ValueError(f"{source}={raw!r} is invalid: allowed values are {', '.join(spec.choices)}")
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    tensor_parallel: bool
+    fused_linear_ce: bool
+    tiled_mlp: bool
+    strict: bool
+    inner: str
+    log: str
+    mlp_chunk_tokens: int
+    mlp_chunk_budget_mb: int
+    mlp_min_tokens: int
+    mlp_grad_accum: str
+    ce_vocab_chunk: int
+    check_inputs: bool
+
+    def pass_enabled(self, pass_name: str) -> bool:
+        return bool(getattr(self, pass_name))
+
+
+def split_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``options=`` into (tilecompile's keys, canonical names) and (everything else, for Inductor)."""
+    ours: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for key, value in (options or {}).items():
+        name = _ALIASES.get(key, key)
+        if name in _SPECS:
+            ours[name] = value
+        else:
+            rest[key] = value
+    return ours, rest
+
+
+def load(options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from the environment, overridden by tilecompile's keys in ``options``."""
+    environ = os.environ if environ is None else environ
+    ours, _ = split_options(options)
+    values = {}
+    for name, spec in _SPECS.items():
+        if name in ours:
+            values[name] = _parse(name, ours[name], f"options[{name!r}]")
+        elif env_var(name) in environ and environ[env_var(name)] != "":
+            values[name] = _parse(name, environ[env_var(name)], env_var(name))
+        else:
+            values[name] = spec.default
+    return Settings(**values)
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(env var, default, meaning) for each setting: the README's flags table."""
+    return [(env_var(n), str(int(s.default) if s.kind is bool else s.default), s.doc) for n, s in _SPECS.items()]
