@@ -4,7 +4,7 @@
 ``torch_dynamo_backends`` entry point). Import it for ``report()``, ``reset()`` and the fused ops.
 """
 
-from tilecompile.report import Report, report, reset
+from tilecompile.reporting import Report, report, reset
 
 __all__ = ["Report", "report", "reset"]
 __version__ = "0.1.0"

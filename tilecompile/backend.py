@@ -1,3 +1,84 @@
-"""placeholder, replaced below"""
-def tilecompile_backend(gm, example_inputs, **kwargs):
+"""The ``tilecompile`` torch.compile backend: rewrite the Dynamo graph, then hand it to the inner compiler.
+
+Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
+``torch.compile(model, backend="tilecompile")`` works without importing this package. ``tilecompile_backend`` is a
+plain function on purpose: decorating it with ``register_backend`` as well would register the name twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tilecompile import config
+from tilecompile import reporting as R
+from tilecompile.pipeline import run_passes
+
+log = logging.getLogger("tilecompile")
+_LEVELS = {"warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
+
+
+def tilecompile_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """Backend entry: ``options`` holds tilecompile's keys (see ``tilecompile.config``) and Inductor config patches."""
+    settings = config.load(options)
+    _, inductor_options = config.split_options(options)
+    _configure_logging(settings.log)
+    R.count_graph()
+    graph_name = f"graph {R.report().graphs}"
+    gm = run_passes(gm, settings, graph_name)
+    return _inner_compile(gm, example_inputs, settings.inner, mode, inductor_options)
+
+
+def _configure_logging(level: str) -> None:
+    log.setLevel(_LEVELS[level])
+    if not log.handlers and level != "warning":
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[tilecompile] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+
+
+def _inductor_patches(mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    import torch._inductor.config as inductor_config
+
+    patches: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        modes = torch._inductor.list_mode_options()
+        if mode not in modes:
+            raise ValueError(f"tilecompile: unknown mode {mode!r}; allowed: {', '.join(sorted(modes))}")
+        patches.update(torch._inductor.list_mode_options(mode))
+    known = inductor_config.get_config_copy()
+    for key, value in options.items():
+        if key not in known:
+            raise ValueError(
+                f"tilecompile: options key {key!r} is neither a tilecompile setting "
+                f"({', '.join(n for n, _, _ in config.describe())}) nor an Inductor config option"
+            )
+        patches[key] = value
+    return patches
+
+
+def _inner_compile(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str, mode: str | None, options: dict[str, Any]
+) -> Callable[..., Any]:
+    patches = _inductor_patches(mode, options)
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    if patches:
+        log.warning("inner compiler is %s: Inductor options %s are ignored", inner, sorted(patches))
+    if inner == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
     return gm.forward

@@ -1,0 +1,328 @@
+"""Canonical views of torch-level FX nodes, so passes match meanings rather than spellings.
+
+A Dynamo graph spells the same math many ways: ``F.linear`` or ``torch._C._nn.linear`` or ``x @ w.t()``;
+``F.silu`` or ``x * torch.sigmoid(x)``; ``t.float()`` or ``t.to(torch.float32)``; ``torch.gather(t, ...)`` or
+``t.gather(...)``. ``op(node)`` names the operation of a node whatever its spelling (``call_function`` or
+``call_method``), ``arg(node, i, name)`` reads an argument by position or keyword (with ``self`` of a method as
+argument 0), and the ``as_*`` views recognise linears, activations and casts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+# callables (call_function targets) -> canonical op names
+_FUNCTIONS: dict[Any, str] = {
+    F.linear: "linear",
+    torch._C._nn.linear: "linear",
+    torch.matmul: "matmul",
+    operator.matmul: "matmul",
+    torch.mm: "matmul",
+    torch.bmm: "matmul",
+    F.silu: "silu",
+    torch._C._nn.silu: "silu",
+    torch.sigmoid: "sigmoid",
+    F.sigmoid: "sigmoid",
+    F.gelu: "gelu",
+    torch._C._nn.gelu: "gelu",
+    F.relu: "relu",
+    torch.relu: "relu",
+    torch.exp: "exp",
+    torch.log: "log",
+    torch.neg: "neg",
+    operator.neg: "neg",
+    operator.mul: "mul",
+    torch.mul: "mul",
+    operator.truediv: "div",
+    torch.div: "div",
+    torch.true_divide: "div",
+    operator.add: "add",
+    torch.add: "add",
+    operator.sub: "sub",
+    torch.sub: "sub",
+    operator.getitem: "getitem",
+    F.softmax: "softmax",
+    torch.softmax: "softmax",
+    F.log_softmax: "log_softmax",
+    torch.log_softmax: "log_softmax",
+    torch.logsumexp: "logsumexp",
+    torch.gather: "gather",
+    torch.take_along_dim: "take_along_dim",
+    torch.sum: "sum",
+    torch.mean: "mean",
+    torch.squeeze: "squeeze",
+    torch.unsqueeze: "unsqueeze",
+    torch.reshape: "reshape",
+    torch.flatten: "flatten",
+    torch.transpose: "transpose",
+    torch.t: "t",
+    torch.permute: "permute",
+    torch.chunk: "chunk",
+    torch.split: "split",
+    torch.tensor_split: "tensor_split",
+    F.cross_entropy: "cross_entropy",
+    F.nll_loss: "nll_loss",
+    torch.argmax: "argmax",
+    torch.multinomial: "multinomial",
+}
+
+# method names -> canonical op names (methods not listed keep their own name)
+_METHODS = {
+    "__matmul__": "matmul",
+    "__mul__": "mul",
+    "__truediv__": "div",
+    "__add__": "add",
+    "__sub__": "sub",
+    "__neg__": "neg",
+    "__getitem__": "getitem",
+    "mm": "matmul",
+    "bmm": "matmul",
+    "view_as": "view",
+    "reshape_as": "reshape",
+}
+
+VIEW_OPS = frozenset(
+    {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous", "transpose", "t", "permute"}
+)
+CAST_METHODS = frozenset({"float", "half", "bfloat16", "double", "to", "type_as", "type"})
+
+
+def op(node: fx.Node) -> str | None:
+    """The canonical name of what ``node`` computes, or None for placeholders, outputs and unknown calls."""
+    if node.op == "call_function":
+        name = _FUNCTIONS.get(node.target)
+        if name is not None:
+            return name
+        if isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+            return None
+        return getattr(node.target, "__name__", None) if _is_torch_callable(node.target) else None
+    if node.op == "call_method":
+        return _METHODS.get(node.target, node.target)
+    return None
+
+
+def _is_torch_callable(fn: Any) -> bool:
+    module = getattr(fn, "__module__", "") or ""
+    return module.startswith("torch") and not module.startswith("torch._ops")
+
+
+def arg(node: fx.Node, index: int, name: str | None = None, default: Any = None) -> Any:
+    """Argument ``index`` (positional, ``self`` of a method counting as 0) or keyword ``name``."""
+    if index < len(node.args):
+        return node.args[index]
+    if name is not None and name in node.kwargs:
+        return node.kwargs[name]
+    return default
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    return [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+
+
+def example_value(node: Any) -> Any:
+    """The fake tensor (or tuple of them) Dynamo recorded for ``node``; None when unknown or not a node."""
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("example_value")
+    return node.meta.get("val") if value is None else value
+
+
+def shape(node: Any) -> tuple | None:
+    value = example_value(node)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def dtype(node: Any) -> torch.dtype | None:
+    value = example_value(node)
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def hint(size: Any) -> int | None:
+    """A concrete int for a (possibly symbolic) size: its hint under dynamic shapes."""
+    if isinstance(size, int):
+        return size
+    try:
+        from torch.fx.experimental.symbolic_shapes import hint_int
+
+        return int(hint_int(size))
+    except Exception:
+        return None
+
+
+def normalize_dim(dim: Any, ndim: int) -> int | None:
+    if not isinstance(dim, int):
+        return None
+    return dim + ndim if dim < 0 else dim
+
+
+# ---------------------------------------------------------------------------------------------- module paths
+
+_BRACKET = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
+
+
+def module_path(node: fx.Node) -> str:
+    """The dotted path (``model.layers.0.mlp``) of the innermost module that produced ``node``."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return clean_path(path)
+
+
+def common_module_path(nodes: Iterable[fx.Node]) -> str:
+    """The longest module path shared by ``nodes`` (for a region spanning several submodules)."""
+    paths = [module_path(n).split(".") for n in nodes if module_path(n)]
+    if not paths:
+        return ""
+    common: list[str] = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def clean_path(path: str) -> str:
+    """``L['self'].model.layers[0]`` or ``L['self']._modules['model']`` -> ``model.layers.0``."""
+    path = re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", path)
+    path = path.replace("._modules", "").replace("_modules", "")
+    path = _BRACKET.sub(r".\1", path)
+    return re.sub(r"\.+", ".", path).strip(".")
+
+
+# ----------------------------------------------------------------------------------------------- views
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """``x @ weight.T + bias``, however it was spelled. ``weight`` is [out, in]."""
+
+    node: fx.Node
+    input: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+
+
+def transposed_of(node: Any) -> fx.Node | None:
+    """``w`` when ``node`` is ``w.t()``, ``w.T``, ``w.transpose(0, 1)``/``(-1, -2)`` or ``w.permute(1, 0)`` of 2-D w."""
+    if not isinstance(node, fx.Node):
+        return None
+    name = op(node)
+    src = arg(node, 0, "input")
+    if not isinstance(src, fx.Node) or len(shape(src) or ()) != 2:
+        return None
+    if name == "t":
+        return src
+    if name == "transpose":
+        dims = {normalize_dim(arg(node, 1, "dim0"), 2), normalize_dim(arg(node, 2, "dim1"), 2)}
+        return src if dims == {0, 1} else None
+    if name == "permute":
+        dims = node.args[1:] if len(node.args) > 2 else arg(node, 1, "dims")
+        return src if tuple(dims or ()) == (1, 0) else None
+    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT", "H"):
+        return src
+    return None
+
+
+def as_linear(node: fx.Node) -> Linear | None:
+    """A linear layer in any spelling: ``F.linear(x, w, b)``, ``x @ w.t()``, ``torch.matmul(x, w.T)``."""
+    name = op(node)
+    if name == "linear":
+        x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+        if isinstance(x, fx.Node) and isinstance(w, fx.Node) and len(shape(w) or ()) == 2:
+            return Linear(node, x, w, b if isinstance(b, fx.Node) else None)
+        return None
+    if name == "matmul":
+        x, rhs = arg(node, 0, "input"), arg(node, 1, "other")
+        w = transposed_of(rhs)
+        if isinstance(x, fx.Node) and w is not None and len(shape(x) or ()) >= 2:
+            return Linear(node, x, w, None)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """An elementwise activation: ``kind`` is one of silu, gelu (exact), gelu_tanh, relu."""
+
+    node: fx.Node
+    kind: str
+    input: fx.Node
+
+
+def as_activation(node: fx.Node) -> Activation | None:
+    name = op(node)
+    if name in ("silu", "relu"):
+        x = arg(node, 0, "input")
+        return Activation(node, name, x) if isinstance(x, fx.Node) else None
+    if name == "gelu":
+        x = arg(node, 0, "input")
+        approx = arg(node, 1, "approximate", "none")
+        if isinstance(x, fx.Node) and approx in ("none", "tanh"):
+            return Activation(node, "gelu" if approx == "none" else "gelu_tanh", x)
+        return None
+    if name == "mul":
+        a, b = arg(node, 0), arg(node, 1)
+        for x, s in ((a, b), (b, a)):
+            if isinstance(s, fx.Node) and op(s) == "sigmoid" and arg(s, 0, "input") is x and isinstance(x, fx.Node):
+                return Activation(node, "silu", x)
+    return None
+
+
+def cast_target(node: fx.Node) -> torch.dtype | None:
+    """The dtype ``node`` casts to when it is a pure dtype cast (``.float()``, ``.to(dtype)``, ``.type_as(t)``)."""
+    if node.op != "call_method" or node.target not in CAST_METHODS:
+        return None
+    simple = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+    if node.target in simple:
+        return simple[node.target] if len(node.args) == 1 and not node.kwargs else None
+    if node.target == "type_as":
+        return dtype(arg(node, 1))
+    if node.target in ("to", "type"):
+        # only .to(dtype) / .to(dtype=...) is a pure cast; .to(device) etc. is left alone
+        extra = [a for a in node.args[1:]] + [v for k, v in node.kwargs.items() if k not in ("copy",)]
+        if len(extra) == 1 and isinstance(extra[0], torch.dtype):
+            return extra[0]
+    return None
+
+
+def strip_casts(node: Any) -> Any:
+    """Follow pure dtype casts back to their source."""
+    while isinstance(node, fx.Node) and cast_target(node) is not None:
+        node = node.args[0]
+    return node
+
+
+def is_view_like(node: fx.Node) -> bool:
+    return op(node) in VIEW_OPS
+
+
+def users_outside(node: fx.Node, region: set[fx.Node]) -> list[fx.Node]:
+    """Users of ``node`` that are not in ``region``."""
+    return [u for u in node.users if u not in region]
+
+
+def graph_input(node: Any) -> fx.Node | None:
+    """The placeholder or get_attr behind ``node`` (through views and casts), if it is a graph input."""
+    seen = 0
+    while isinstance(node, fx.Node) and seen < 16:
+        if node.op in ("placeholder", "get_attr"):
+            return node
+        if is_view_like(node) or cast_target(node) is not None:
+            node = node.args[0]
+            seen += 1
+            continue
+        return None
+    return None
+
+
+def graph_modules(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
+    """``gm`` and every nested GraphModule (bodies of higher-order ops such as activation checkpointing)."""
+    return [(name or "<root>", m) for name, m in gm.named_modules() if isinstance(m, fx.GraphModule)]

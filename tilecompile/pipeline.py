@@ -1,0 +1,141 @@
+"""Runs the passes in order over a Dynamo graph (and the bodies of its higher-order ops), checking each.
+
+A pass is a module in ``tilecompile.passes`` with ``NAME`` and ``run(gm, ctx) -> PassResult``. After each pass
+the pipeline lints every graph it may have touched and re-propagates fake tensors through every node the pass
+marked with ``expect(node, value)``, checking shape and dtype against what the replaced nodes produced. A pass
+that raises or fails a check is undone for this graph and a warning names it (``strict`` raises instead).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import logging
+import warnings
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tilecompile import graph as G
+from tilecompile import reporting as R
+from tilecompile.config import Settings
+
+log = logging.getLogger("tilecompile")
+
+PASS_ORDER = ("tensor_parallel", "fused_linear_ce", "tiled_mlp")
+_EXPECTED = "tilecompile_expected"
+
+
+class PassFailed(RuntimeError):
+    """A pass raised or produced a graph that failed its checks (raised only in strict mode)."""
+
+
+@dataclasses.dataclass
+class PassContext:
+    settings: Settings
+    graph_name: str = "<root>"
+
+
+@dataclasses.dataclass
+class PassResult:
+    rewrites: list[R.Rewrite] = dataclasses.field(default_factory=list)
+    skipped: list[R.Skip] = dataclasses.field(default_factory=list)
+
+    def extend(self, other: PassResult) -> None:
+        self.rewrites += other.rewrites
+        self.skipped += other.skipped
+
+
+def expect(node: fx.Node, value: Any) -> None:
+    """Declare what a newly inserted node must produce (a fake tensor, or a tuple of them)."""
+    node.meta[_EXPECTED] = value
+
+
+def load_pass(name: str):
+    return importlib.import_module(f"tilecompile.passes.{name}")
+
+
+def run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str = "graph") -> fx.GraphModule:
+    for name in PASS_ORDER:
+        if not settings.pass_enabled(name):
+            log.debug("pass %s is off", name)
+            continue
+        saved = {sub_name: copy.deepcopy(sub.graph) for sub_name, sub in G.graph_modules(gm)}
+        try:
+            result = PassResult()
+            module = load_pass(name)
+            for sub_name, sub in G.graph_modules(gm):
+                result.extend(module.run(sub, PassContext(settings, sub_name)))
+            for _, sub in G.graph_modules(gm):
+                sub.graph.lint()
+                check_rewritten_nodes(sub)
+                sub.recompile()
+        except Exception as exc:  # noqa: BLE001 - any failure of a pass undoes it
+            _restore(gm, saved)
+            reason = f"{type(exc).__name__}: {exc}"
+            R.record(failures=[R.Failure(name, graph_name, reason)])
+            if settings.strict:
+                raise PassFailed(f"tilecompile pass {name!r} failed on {graph_name}: {reason}") from exc
+            warnings.warn(
+                f"tilecompile: pass {name!r} failed on {graph_name} and was undone; the graph compiles without it "
+                f"({reason}). Set TILECOMPILE_STRICT=1 to raise instead.",
+                stacklevel=2,
+            )
+            continue
+        R.record(rewrites=result.rewrites, skipped=result.skipped)
+        for r in result.rewrites:
+            log.info("%s rewrote %s %s", name, r.module_path or "<root>", r.shapes)
+        for s in result.skipped:
+            log.info("%s skipped %s at %s: %s", name, s.candidate, s.module_path or "<root>", s.reason)
+    return gm
+
+
+def _restore(gm: fx.GraphModule, saved: dict[str, fx.Graph]) -> None:
+    for sub_name, sub in G.graph_modules(gm):
+        if sub_name in saved:
+            sub.graph = saved[sub_name]
+            sub.recompile()
+
+
+def check_rewritten_nodes(gm: fx.GraphModule) -> None:
+    """Fake-run every node a pass marked with ``expect``; its shapes and dtypes must match the expectation."""
+    for node in gm.graph.nodes:
+        if _EXPECTED not in node.meta:
+            continue
+        expected = node.meta.pop(_EXPECTED)
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: G.example_value(n))
+        fake_mode = torch._guards.detect_fake_mode(_flat_tensors((args, kwargs, expected)))
+        if fake_mode is None:
+            raise PassFailed(f"no fake tensors to check {node.format_node()}")
+        with fake_mode:
+            if node.op == "call_function":
+                actual = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                actual = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                raise PassFailed(f"cannot check {node.op} node {node.name}")
+        _compare(node, actual, expected)
+        node.meta["example_value"] = actual
+        for user in node.users:
+            if G.op(user) == "getitem" and isinstance(actual, tuple | list):
+                item = actual[user.args[1]]
+                if _EXPECTED in user.meta:
+                    _compare(user, item, user.meta.pop(_EXPECTED))
+                user.meta["example_value"] = item
+
+
+def _flat_tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _compare(node: fx.Node, actual: Any, expected: Any) -> None:
+    a, e = _flat_tensors(actual), _flat_tensors(expected)
+    if len(a) != len(e):
+        raise PassFailed(f"{node.name}: produces {len(a)} tensors, the graph expects {len(e)}")
+    for i, (x, y) in enumerate(zip(a, e)):
+        if x.dtype != y.dtype or [str(s) for s in x.shape] != [str(s) for s in y.shape]:
+            raise PassFailed(
+                f"{node.name} output {i}: got {tuple(x.shape)} {x.dtype}, the graph expects {tuple(y.shape)} {y.dtype}"
+            )
