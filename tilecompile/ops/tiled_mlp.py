@@ -1,0 +1,533 @@
+"""Tiled gated MLP: ``y = down(act(gate(x)) * up(x))`` run over token chunks, as a pair of custom ops.
+
+Forward: for each chunk of tokens, ``g = x Wgᵀ + bg``, ``u = x Wuᵀ + bu``, ``h = act(g) * u``,
+``y = h Wdᵀ + bd``. Saved for backward: ``x`` and the weights (and the gate/up biases), never an [N, I] tensor.
+
+Backward (``tilecompile::tiled_gated_mlp_backward``), per chunk: recompute ``g`` and ``u`` (not ``y``), then
+
+    dh = dy Wd                     dWd += dyᵀ h           dbd += Σ dy
+    du = dh * act(g)               dWu += duᵀ x           dbu += Σ du
+    dg = dh * u * act'(g)          dWg += dgᵀ x           dbg += Σ dg
+    dx = du Wu + dg Wg
+
+Weight and bias grads accumulate across chunks in fp32 (``grad_accum="fp32"``; fp64 stays fp64) or in the
+parameter dtype (``grad_accum="param"``) and are returned from the backward op, one per weight, so autograd's
+``AccumulateGrad`` (and with it DDP / FSDP / ZeRO) sees ordinary grads. Inputs that need no grad get no work.
+
+Live memory per chunk: four [chunk, I] tensors in the compute dtype (gate out, up out, act/product, dh); the
+default chunk is the largest multiple of 64 tokens for which those four fit ``budget_mb`` MiB, computed inside
+the op from the runtime shape so that varying sequence lengths do not recompile.
+
+The same PyTorch code serves CPU and CUDA (cuBLAS/MKL do the matmuls). On CUDA, fp32 accumulation of bf16/fp16
+products uses ``addmm(..., out_dtype=torch.float32)`` into the fp32 buffer when this torch supports it (probed
+once), else a per-chunk product in the compute dtype added into the buffer.
+
+Autocast: the op casts its floating inputs to the autocast dtype of the device (an Autocast{CPU,CUDA} kernel),
+so it behaves like ``F.linear`` under ``torch.autocast``; outside autocast all inputs must share one dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["ACTIVATIONS", "GRAD_ACCUM", "chunk_size_for", "tiled_gated_mlp"]
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+GRAD_ACCUM = ("fp32", "param")
+_INTERMEDIATES_PER_TOKEN = 4  # gate out, up out, act/product, dh: [chunk, I] each
+_ALIGN = 64
+
+
+def chunk_size_for(tokens: int, intermediate: int, dtype: torch.dtype, budget_mb: int) -> int:
+    """Tokens per chunk: the largest multiple of 64 whose four [chunk, I] tensors fit ``budget_mb`` MiB.
+
+    At least 64; never more than ``tokens`` rounded up to a multiple of 64.
+    """
+    per_token = _INTERMEDIATES_PER_TOKEN * max(int(intermediate), 1) * dtype.itemsize
+    chunk = (max(int(budget_mb), 0) * 2**20) // per_token
+    chunk = max(_ALIGN, chunk // _ALIGN * _ALIGN)
+    return min(chunk, max(_ALIGN, -(-int(tokens) // _ALIGN) * _ALIGN))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# elementwise pieces, all writing into a given buffer (which may be one of the inputs)
+
+
+def _act_into(src: Tensor, out: Tensor, activation: str) -> Tensor:
+    if activation == "silu":
+        return torch.ops.aten.silu.out(src, out=out)
+    if activation == "gelu":
+        return torch.ops.aten.gelu.out(src, approximate="none", out=out)
+    if activation == "gelu_tanh":
+        return torch.ops.aten.gelu.out(src, approximate="tanh", out=out)
+    return torch.clamp_min(src, 0, out=out)
+
+
+def _act_backward_into(grad: Tensor, pre: Tensor, out: Tensor, activation: str) -> Tensor:
+    """out = grad * act'(pre)."""
+    if activation == "silu":
+        return torch.ops.aten.silu_backward.grad_input(grad, pre, grad_input=out)
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward.grad_input(grad, pre, approximate="none", grad_input=out)
+    if activation == "gelu_tanh":
+        return torch.ops.aten.gelu_backward.grad_input(grad, pre, approximate="tanh", grad_input=out)
+    return torch.ops.aten.threshold_backward.grad_input(grad, pre, 0, grad_input=out)
+
+
+def _linear_into(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# acc += a @ b with acc possibly wider than a and b
+
+_OUT_DTYPE_ADDMM_OK: dict[str, bool] = {}
+
+
+def _cuda_out_dtype_addmm_ok(device: torch.device) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=fp32, out=acc)`` accumulates bf16 products into fp32 here."""
+    key = str(device)
+    if key not in _OUT_DTYPE_ADDMM_OK:
+        if torch.cuda.is_current_stream_capturing():
+            return False  # never probe (a host sync) inside a CUDA graph capture
+        ok = False
+        try:
+            a = torch.full((3, 5), 0.5, device=device, dtype=torch.bfloat16)
+            b = torch.full((5, 2), 2.0, device=device, dtype=torch.bfloat16)
+            acc = torch.full((3, 2), 1.0 + 2.0**-12, device=device, dtype=torch.float32)
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            ok = bool((acc == 6.0 + 2.0**-12).all().item())
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _OUT_DTYPE_ADDMM_OK[key] = ok
+    return _OUT_DTYPE_ADDMM_OK[key]
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and _cuda_out_dtype_addmm_ok(acc.device):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    elif acc.is_cuda:
+        acc.add_(torch.mm(a, b))
+    else:
+        # CPU with bf16/fp16 operands: upcast one chunk's operands (small) so the product itself is exact-ish
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def _accumulate_sum(acc: Tensor, t: Tensor) -> None:
+    acc.add_(t.sum(0, dtype=acc.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks
+
+
+def _check(
+    x: Tensor,
+    gate_weight: Tensor,
+    gate_bias: Tensor | None,
+    up_weight: Tensor,
+    up_bias: Tensor | None,
+    down_weight: Tensor,
+    down_bias: Tensor | None,
+    activation: str,
+    chunk_tokens: int,
+    budget_mb: int,
+    grad_accum: str,
+) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"tiled_gated_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if grad_accum not in GRAD_ACCUM:
+        raise ValueError(f"tiled_gated_mlp: grad_accum must be one of {GRAD_ACCUM}, got {grad_accum!r}")
+    if chunk_tokens < 0:
+        raise ValueError(f"tiled_gated_mlp: chunk_tokens must be >= 0, got {chunk_tokens}")
+    if chunk_tokens == 0 and budget_mb <= 0:
+        raise ValueError(f"tiled_gated_mlp: budget_mb must be > 0 when chunk_tokens is 0, got {budget_mb}")
+    if x.dim() < 1:
+        raise ValueError("tiled_gated_mlp: x must have at least one dimension [..., D]")
+    d, i = x.shape[-1], gate_weight.shape[0]
+    if gate_weight.dim() != 2 or up_weight.dim() != 2 or down_weight.dim() != 2:
+        raise ValueError("tiled_gated_mlp: weights must be 2-D")
+    if tuple(gate_weight.shape) != (i, d) or tuple(up_weight.shape) != (i, d) or down_weight.shape[1] != i:
+        raise ValueError(
+            f"tiled_gated_mlp: shapes do not chain: x [..., {d}], gate {tuple(gate_weight.shape)}, "
+            f"up {tuple(up_weight.shape)}, down {tuple(down_weight.shape)}"
+        )
+    for name, bias, n in (("gate", gate_bias, i), ("up", up_bias, i), ("down", down_bias, down_weight.shape[0])):
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise ValueError(f"tiled_gated_mlp: {name}_bias must have shape ({n},), got {tuple(bias.shape)}")
+    tensors = [t for t in (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias) if t is not None]
+    if len({t.dtype for t in tensors}) != 1:
+        raise ValueError(
+            "tiled_gated_mlp: x, weights and biases must share one dtype (under torch.autocast the op casts them); "
+            f"got {[t.dtype for t in tensors]}"
+        )
+
+
+def _chunk_for(x2: Tensor, intermediate: int, chunk_tokens: int, budget_mb: int) -> int:
+    if chunk_tokens > 0:
+        return chunk_tokens
+    return chunk_size_for(x2.shape[0], intermediate, x2.dtype, budget_mb)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward op
+
+
+@torch.library.custom_op("tilecompile::tiled_gated_mlp", mutates_args=())
+def _tiled_gated_mlp_op(
+    x: Tensor,
+    gate_weight: Tensor,
+    gate_bias: Tensor | None,
+    up_weight: Tensor,
+    up_bias: Tensor | None,
+    down_weight: Tensor,
+    down_bias: Tensor | None,
+    activation: str,
+    chunk_tokens: int = 0,
+    budget_mb: int = 256,
+    grad_accum: str = "fp32",
+) -> Tensor:
+    _check(
+        x,
+        gate_weight,
+        gate_bias,
+        up_weight,
+        up_bias,
+        down_weight,
+        down_bias,
+        activation,
+        chunk_tokens,
+        budget_mb,
+        grad_accum,
+    )
+    d, i, d_out = x.shape[-1], gate_weight.shape[0], down_weight.shape[0]
+    x2 = x.reshape(-1, d)
+    n = x2.shape[0]
+    out = x2.new_empty((n, d_out))
+    if n > 0:
+        chunk = min(_chunk_for(x2, i, chunk_tokens, budget_mb), n)
+        g_buf = x2.new_empty((chunk, i))
+        u_buf = x2.new_empty((chunk, i))
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            xc, g, u = x2[s:e], g_buf[: e - s], u_buf[: e - s]
+            _linear_into(xc, gate_weight, gate_bias, g)
+            _linear_into(xc, up_weight, up_bias, u)
+            _act_into(g, g, activation)
+            g.mul_(u)
+            _linear_into(g, down_weight, down_bias, out[s:e])
+    return out.view(*x.shape[:-1], d_out)
+
+
+@_tiled_gated_mlp_op.register_fake
+def _(
+    x,
+    gate_weight,
+    gate_bias,
+    up_weight,
+    up_bias,
+    down_weight,
+    down_bias,
+    activation,
+    chunk_tokens=0,
+    budget_mb=256,
+    grad_accum="fp32",
+):
+    _check(
+        x,
+        gate_weight,
+        gate_bias,
+        up_weight,
+        up_bias,
+        down_weight,
+        down_bias,
+        activation,
+        chunk_tokens,
+        budget_mb,
+        grad_accum,
+    )
+    return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backward op
+#
+# needs_grad = [x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias]; a grad that is not needed
+# (or whose bias is None) comes back as an empty placeholder tensor, turned into None by the autograd wiring.
+
+
+def _grad_shapes(x, gate_weight, up_weight, down_weight):
+    i, d_out = gate_weight.shape[0], down_weight.shape[0]
+    return [
+        tuple(x.shape),
+        tuple(gate_weight.shape),
+        (i,),
+        tuple(up_weight.shape),
+        (i,),
+        tuple(down_weight.shape),
+        (d_out,),
+    ]
+
+
+def _normalise_needs(needs_grad, gate_bias, up_bias) -> list[bool]:
+    needs = [bool(v) for v in needs_grad] + [False] * (7 - len(needs_grad))
+    needs = needs[:7]
+    if gate_bias is None:
+        needs[2] = False
+    if up_bias is None:
+        needs[4] = False
+    return needs
+
+
+@torch.library.custom_op("tilecompile::tiled_gated_mlp_backward", mutates_args=())
+def _tiled_gated_mlp_backward_op(
+    grad_out: Tensor,
+    x: Tensor,
+    gate_weight: Tensor,
+    gate_bias: Tensor | None,
+    up_weight: Tensor,
+    up_bias: Tensor | None,
+    down_weight: Tensor,
+    activation: str,
+    chunk_tokens: int,
+    budget_mb: int,
+    grad_accum: str,
+    needs_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    need_x, need_wg, need_bg, need_wu, need_bu, need_wd, need_bd = _normalise_needs(needs_grad, gate_bias, up_bias)
+    d, i, d_out = x.shape[-1], gate_weight.shape[0], down_weight.shape[0]
+    x2 = x.reshape(-1, d)
+    dy2 = grad_out.reshape(-1, d_out)
+    n = x2.shape[0]
+    cdt = x2.dtype
+
+    def acc_dtype(p: Tensor) -> torch.dtype:
+        return p.dtype if grad_accum == "param" else torch.promote_types(torch.float32, p.dtype)
+
+    def zeros_like_acc(p: Tensor) -> Tensor:
+        return torch.zeros(p.shape, device=p.device, dtype=acc_dtype(p))
+
+    acc_wg = zeros_like_acc(gate_weight) if need_wg else None
+    acc_wu = zeros_like_acc(up_weight) if need_wu else None
+    acc_wd = zeros_like_acc(down_weight) if need_wd else None
+    acc_bg = zeros_like_acc(gate_bias) if need_bg else None
+    acc_bu = zeros_like_acc(up_bias) if need_bu else None
+    acc_bd = torch.zeros((d_out,), device=x.device, dtype=acc_dtype(down_weight)) if need_bd else None
+    dx = torch.empty(x.shape, device=x.device, dtype=cdt) if need_x else None
+
+    need_du = need_x or need_wu or need_bu
+    need_dg = need_x or need_wg or need_bg
+    need_dh = need_du or need_dg
+    if n > 0 and (need_wd or need_dh or need_bd):
+        dx2 = dx.view(-1, d) if dx is not None else None
+        chunk = min(_chunk_for(x2, i, chunk_tokens, budget_mb), n)
+        recompute = need_wd or need_dh
+        g_buf = x2.new_empty((chunk, i)) if recompute else None
+        u_buf = x2.new_empty((chunk, i)) if (need_wd or need_dg) else None
+        t_buf = x2.new_empty((chunk, i)) if (need_wd or need_du) else None
+        dh_buf = x2.new_empty((chunk, i)) if need_dh else None
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            rows = e - s
+            xc, dyc = x2[s:e], dy2[s:e]
+            if need_bd:
+                _accumulate_sum(acc_bd, dyc)
+            if not recompute:
+                continue
+            g = _linear_into(xc, gate_weight, gate_bias, g_buf[:rows])
+            u = _linear_into(xc, up_weight, up_bias, u_buf[:rows]) if u_buf is not None else None
+            dh = torch.mm(dyc, down_weight, out=dh_buf[:rows]) if need_dh else None
+            if need_wd:
+                h = _act_into(g, t_buf[:rows], activation).mul_(u)
+                _accumulate_mm(acc_wd, dyc.t(), h)
+            if need_du:
+                du = _act_into(g, t_buf[:rows], activation).mul_(dh)
+                if need_wu:
+                    _accumulate_mm(acc_wu, du.t(), xc)
+                if need_bu:
+                    _accumulate_sum(acc_bu, du)
+                if need_x:
+                    torch.mm(du, up_weight, out=dx2[s:e])
+            if need_dg:
+                dg = _act_backward_into(u.mul_(dh), g, u, activation)
+                if need_wg:
+                    _accumulate_mm(acc_wg, dg.t(), xc)
+                if need_bg:
+                    _accumulate_sum(acc_bg, dg)
+                if need_x:
+                    dx2[s:e].addmm_(dg, gate_weight)
+        del g_buf, u_buf, t_buf, dh_buf
+
+    def finish(acc: Tensor | None, p: Tensor | None) -> Tensor:
+        if acc is None:
+            return x.new_empty((0,))
+        return acc if acc.dtype == p.dtype else acc.to(p.dtype)
+
+    # convert one accumulator at a time so the fp32 buffers are freed as the param-dtype grads appear
+    g_wd = finish(acc_wd, down_weight)
+    del acc_wd
+    g_wu = finish(acc_wu, up_weight)
+    del acc_wu
+    g_wg = finish(acc_wg, gate_weight)
+    del acc_wg
+    g_bd = finish(acc_bd, down_weight)
+    g_bu = finish(acc_bu, up_bias)
+    g_bg = finish(acc_bg, gate_bias)
+    g_x = dx if dx is not None else x.new_empty((0,))
+    return g_x, g_wg, g_bg, g_wu, g_bu, g_wd, g_bd
+
+
+@_tiled_gated_mlp_backward_op.register_fake
+def _(
+    grad_out,
+    x,
+    gate_weight,
+    gate_bias,
+    up_weight,
+    up_bias,
+    down_weight,
+    activation,
+    chunk_tokens,
+    budget_mb,
+    grad_accum,
+    needs_grad,
+):
+    needs = _normalise_needs(needs_grad, gate_bias, up_bias)
+    shapes = _grad_shapes(x, gate_weight, up_weight, down_weight)
+    dtypes = [
+        x.dtype,
+        gate_weight.dtype,
+        gate_weight.dtype,
+        up_weight.dtype,
+        up_weight.dtype,
+        down_weight.dtype,
+        down_weight.dtype,
+    ]
+    return tuple(
+        x.new_empty(shape, dtype=dt) if need else x.new_empty((0,)) for need, shape, dt in zip(needs, shapes, dtypes)
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# autograd wiring
+
+
+def _setup_context(ctx, inputs, output):
+    (
+        x,
+        gate_weight,
+        gate_bias,
+        up_weight,
+        up_bias,
+        down_weight,
+        down_bias,
+        activation,
+        chunk_tokens,
+        budget_mb,
+        grad_accum,
+    ) = inputs
+    ctx.save_for_backward(x, gate_weight, gate_bias, up_weight, up_bias, down_weight)
+    ctx.activation = activation
+    ctx.chunk_tokens = chunk_tokens
+    ctx.budget_mb = budget_mb
+    ctx.grad_accum = grad_accum
+    ctx.has_bias = (gate_bias is not None, up_bias is not None, down_bias is not None)
+
+
+def _backward(ctx, grad_out):
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:7])
+    needs[2] = needs[2] and ctx.has_bias[0]
+    needs[4] = needs[4] and ctx.has_bias[1]
+    needs[6] = needs[6] and ctx.has_bias[2]
+    if not any(needs):
+        return (None,) * 11
+    grads = torch.ops.tilecompile.tiled_gated_mlp_backward(
+        grad_out,
+        x,
+        gate_weight,
+        gate_bias,
+        up_weight,
+        up_bias,
+        down_weight,
+        ctx.activation,
+        ctx.chunk_tokens,
+        ctx.budget_mb,
+        ctx.grad_accum,
+        needs,
+    )
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None)
+
+
+_tiled_gated_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# autocast: cast floating inputs on the autocast device to that device's autocast dtype, then run without autocast
+
+_autocast_lib = torch.library.Library("tilecompile", "FRAGMENT")  # noqa: TOR901
+
+
+def _register_autocast(device_type: str) -> None:
+    key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    key = getattr(torch._C.DispatchKey, key_name)
+
+    def cast(t):
+        if (
+            isinstance(t, Tensor)
+            and t.is_floating_point()
+            and t.device.type == device_type
+            and t.dtype != torch.float64
+        ):
+            return t.to(torch.get_autocast_dtype(device_type))
+        return t
+
+    def kernel(_keyset, *args):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return torch.ops.tilecompile.tiled_gated_mlp.default(*(cast(a) for a in args))
+
+    _autocast_lib.impl("tiled_gated_mlp", kernel, key_name, with_keyset=True)
+
+
+for _device_type in ("cpu", "cuda"):
+    if torch._C._is_autocast_available(_device_type):
+        _register_autocast(_device_type)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public Python entry
+
+
+def tiled_gated_mlp(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    *,
+    gate_bias: Tensor | None = None,
+    up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    activation: str = "silu",
+    chunk_tokens: int = 0,
+    budget_mb: int = 256,
+    grad_accum: str = "fp32",
+) -> Tensor:
+    """``down(act(gate(x)) * up(x))`` in token chunks; see the module docstring. x is [..., D]."""
+    return torch.ops.tilecompile.tiled_gated_mlp(
+        x,
+        gate_weight,
+        gate_bias,
+        up_weight,
+        up_bias,
+        down_weight,
+        down_bias,
+        activation,
+        chunk_tokens,
+        budget_mb,
+        grad_accum,
+    )
