@@ -1,0 +1,421 @@
+"""Fused linear log-prob + entropy: cuBLAS GEMMs over vocabulary chunks with Triton epilogues.
+
+Math (h [N, D], W [V, D], labels y [N], temperature t):
+    z = h·Wᵀ / t,  lse = logsumexp(z),  logp = z_y − lse,  H = lse − Σ_j p_j z_j   (p = softmax(z))
+    dz_j = [g_lp (1[j=y] − p_j) − g_H p_j (z_j − lse + H)] / t,   dh = dz·W,   dW = dzᵀ·h
+Saved for backward: h, W, labels, lse [N] and H [N] (fp32). No [N, V] tensor is ever allocated.
+
+Forward, for each vocabulary chunk W_c (C rows): z_c = h @ W_cᵀ (one GEMM, fp32 accumulation, written in the GEMM
+dtype), then ``_fused_linear_ce_fwd_kernel`` folds z_c into per-row online statistics (max m, Σe = Σ exp(x − m),
+Σe·(x − m)) and picks up the target logit when the label falls in this chunk.
+Backward, for each chunk: recompute z_c, ``_fused_linear_ce_bwd_kernel`` turns it into dz_c in place, then
+dW_c = dz_cᵀ @ h (one GEMM, complete for that chunk, fp32 accumulation inside cuBLAS) and
+dh_acc (fp32) += dz_c @ W_c; dh_acc is the only sum across chunks, kept in fp32 and cast once at the end.
+Workspace: one [N, C] chunk plus the fp32 dh accumulator; C comes from ``chunk_size``.
+
+``_torch_fwd_epilogue`` / ``_torch_bwd_epilogue`` are the same epilogues in plain PyTorch (the CPU path), and
+``reference_logprob_entropy`` is the unfused formula (tests and benchmarks only: it builds [N, V]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs without Triton use the PyTorch epilogues
+    HAS_TRITON = False
+
+# Bytes one [N, C] chunk of logits may take before C is cut (automatic chunking).
+CHUNK_BUDGET_BYTES = 160 * 2**20
+_MIN_CHUNK = 256
+_MAX_CHUNK = 32768
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fused_linear_ce_fwd_kernel(
+        z_ptr,
+        labels_ptr,
+        m_ptr,
+        s_ptr,
+        a_ptr,
+        zy_ptr,
+        logp_ptr,
+        ent_ptr,
+        lse_ptr,
+        n_cols,
+        v_start,
+        stride_zn,
+        inv_t,
+        ignore_index,
+        HAS_ENTROPY: tl.constexpr,
+        IS_LAST: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        active = label != ignore_index
+        # Without entropy an ignored row needs nothing: all its loads are masked off (no traffic, no host sync).
+        if HAS_ENTROPY:
+            row_on = label == label
+        else:
+            row_on = active
+        m = tl.load(m_ptr + row)
+        s = tl.load(s_ptr + row)
+        a = tl.load(a_ptr + row)
+        z_row = z_ptr + row * stride_zn
+        offs = tl.arange(0, BLOCK_C)
+        # Columns this row reads: none at all when the row is off.
+        n_load = tl.where(row_on, n_cols, 0)
+        for c0 in range(0, n_cols, BLOCK_C):
+            cols = c0 + offs
+            mask = cols < n_load
+            # The vocabulary tail is masked to -inf so it adds exp(-inf) = 0 to every sum.
+            x = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            # A row that has seen nothing yet keeps m = -inf; shift by 0 instead (avoids -inf - -inf = nan).
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_ref)
+            shift = tl.where(m == float("-inf"), 0.0, m - m_ref)
+            # Σe·(x - m) is kept relative to the running max, so rescaling it needs the shift times Σe.
+            a = alpha * (a + shift * s)
+            s = alpha * s
+            e = tl.exp(x - m_ref)
+            s += tl.sum(e, axis=0)
+            a += tl.sum(tl.where(e > 0.0, e * (x - m_ref), 0.0), axis=0)
+            m = m_new
+        y_local = label - v_start
+        hit = active & (y_local >= 0) & (y_local < n_cols)
+        zy_new = tl.load(z_row + y_local, mask=hit, other=0.0).to(tl.float32) * inv_t
+        zy = tl.where(hit, zy_new, tl.load(zy_ptr + row))
+        if IS_LAST:
+            log_s = tl.log(s)
+            lse = m + log_s
+            tl.store(logp_ptr + row, tl.where(active, zy - lse, 0.0))
+            tl.store(lse_ptr + row, tl.where(row_on, lse, 0.0))
+            if HAS_ENTROPY:
+                # H = lse - Σ p·x = log Σe - Σe·(x - m) / Σe
+                tl.store(ent_ptr + row, log_s - a / s)
+        else:
+            tl.store(m_ptr + row, m)
+            tl.store(s_ptr + row, s)
+            tl.store(a_ptr + row, a)
+            tl.store(zy_ptr + row, zy)
+
+    @triton.jit
+    def _fused_linear_ce_bwd_kernel(
+        z_ptr,
+        labels_ptr,
+        lse_ptr,
+        ent_ptr,
+        glp_ptr,
+        gent_ptr,
+        n_cols,
+        v_start,
+        stride_zn,
+        inv_t,
+        ignore_index,
+        HAS_GLP: tl.constexpr,
+        HAS_GENT: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        active = label != ignore_index
+        lse = tl.load(lse_ptr + row)
+        # Ignored rows get no gradient through logp (logp is the constant 0 there).
+        if HAS_GLP:
+            glp = tl.where(active, tl.load(glp_ptr + row), 0.0)
+        else:
+            glp = 0.0
+        if HAS_GENT:
+            gent = tl.load(gent_ptr + row)
+            ent = tl.load(ent_ptr + row)
+            row_on = label == label
+        else:
+            gent = 0.0
+            ent = 0.0
+            if HAS_GLP:
+                row_on = active
+            else:
+                row_on = label != label
+        y_local = label - v_start
+        z_row = z_ptr + row * stride_zn
+        offs = tl.arange(0, BLOCK_C)
+        n_load = tl.where(row_on, n_cols, 0)
+        for c0 in range(0, n_cols, BLOCK_C):
+            cols = c0 + offs
+            cmask = cols < n_cols
+            x = tl.load(z_row + cols, mask=cols < n_load, other=0.0).to(tl.float32) * inv_t
+            p = tl.exp(x - lse)
+            dz = tl.where(cols == y_local, glp, 0.0) - glp * p
+            if HAS_GENT:
+                # p = 0 where x = -inf: keep 0 * -inf out of the sum.
+                dz -= gent * tl.where(p > 0.0, p * (x - lse + ent), 0.0)
+            dz = tl.where(row_on, dz * inv_t, 0.0)
+            # The chunk buffer is rewritten in place: z_c becomes dz_c, in the GEMM dtype.
+            tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=cmask)
+
+
+def _block_c(n_cols: int) -> int:
+    return max(16, min(2048, 1 << (max(n_cols, 1) - 1).bit_length()))
+
+
+def _triton_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignore_index, with_entropy, is_last):
+    m, s, a, zy = state
+    n = z.shape[0]
+    if n == 0:
+        return
+    block = _block_c(z.shape[1])
+    _fused_linear_ce_fwd_kernel[(n,)](
+        z, labels, m, s, a, zy, logp, ent if ent is not None else logp, lse,
+        z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
+        HAS_ENTROPY=with_entropy, IS_LAST=is_last, BLOCK_C=block, num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+
+
+def _triton_bwd_epilogue(z, labels, lse, ent, glp, gent, v_start, inv_t, ignore_index):
+    n = z.shape[0]
+    if n == 0:
+        return
+    block = _block_c(z.shape[1])
+    _fused_linear_ce_bwd_kernel[(n,)](
+        z, labels, lse, ent if ent is not None else lse, glp if glp is not None else lse,
+        gent if gent is not None else lse, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
+        HAS_GLP=glp is not None, HAS_GENT=gent is not None, BLOCK_C=block, num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+
+
+def _torch_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignore_index, with_entropy, is_last):
+    """The forward epilogue in PyTorch: same online update as ``_fused_linear_ce_fwd_kernel``."""
+    m, s, a, zy = state
+    active = labels != ignore_index
+    row_on = torch.ones_like(active) if with_entropy else active
+    x = z.float() * inv_t
+    x = torch.where(row_on[:, None], x, float("-inf"))
+    m_new = torch.maximum(m, x.amax(dim=1))
+    m_ref = torch.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = torch.exp(m - m_ref)
+    shift = torch.where(m == float("-inf"), 0.0, m - m_ref)
+    a.copy_(alpha * (a + shift * s))
+    s.mul_(alpha)
+    e = torch.exp(x - m_ref[:, None])
+    s.add_(e.sum(dim=1))
+    a.add_(torch.where(e > 0, e * (x - m_ref[:, None]), 0.0).sum(dim=1))
+    m.copy_(m_new)
+    y_local = labels.long() - v_start
+    hit = active & (y_local >= 0) & (y_local < z.shape[1])
+    picked = x.gather(1, y_local.clamp(0, max(z.shape[1] - 1, 0))[:, None]).squeeze(1)
+    zy.copy_(torch.where(hit, picked, zy))
+    if is_last:
+        log_s = torch.log(s)
+        lse_v = m + log_s
+        logp.copy_(torch.where(active, zy - lse_v, 0.0))
+        lse.copy_(torch.where(row_on, lse_v, 0.0))
+        if with_entropy:
+            ent.copy_(log_s - a / s)
+
+
+def _torch_bwd_epilogue(z, labels, lse, ent, glp, gent, v_start, inv_t, ignore_index):
+    """The backward epilogue in PyTorch: z (the chunk of logits) becomes dz in place."""
+    active = labels != ignore_index
+    x = z.float() * inv_t
+    p = torch.exp(x - lse[:, None])
+    dz = torch.zeros_like(x)
+    if glp is not None:
+        g = torch.where(active, glp, 0.0)[:, None]
+        cols = torch.arange(z.shape[1], device=z.device) + v_start
+        dz = torch.where(cols[None, :] == labels.long()[:, None], g, 0.0) - g * p
+    if gent is not None:
+        dz = dz - gent[:, None] * torch.where(p > 0, p * (x - lse[:, None] + ent[:, None]), 0.0)
+    z.copy_(dz * inv_t)
+
+
+def chunk_size(n_rows: int, vocab: int, elem_bytes: int, requested: int = 0) -> int:
+    """Vocabulary columns per chunk: ``requested`` if > 0, else what keeps one [N, C] chunk in the budget."""
+    if requested > 0:
+        return max(1, min(requested, vocab))
+    c = CHUNK_BUDGET_BYTES // max(1, n_rows * elem_bytes)
+    c = max(_MIN_CHUNK, min(_MAX_CHUNK, c // _MIN_CHUNK * _MIN_CHUNK))
+    return max(1, min(c, vocab))
+
+
+def _use_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
+    if use_triton is None:
+        return HAS_TRITON and t.is_cuda
+    if use_triton and not HAS_TRITON:
+        raise RuntimeError("use_triton=True but Triton is not installed")
+    return use_triton
+
+
+def _gemm_dtype(h: torch.Tensor, gemm_dtype: torch.dtype | None) -> torch.dtype:
+    # On CPU, reduced-precision GEMMs are slow and round the logits; fp32 there is both faster and exact-er.
+    if gemm_dtype is not None:
+        return gemm_dtype
+    return h.dtype if h.is_cuda else torch.float32
+
+
+def fused_linear_logprob_fwd(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    inv_t: float,
+    ignore_index: int,
+    with_entropy: bool,
+    *,
+    chunk: int = 0,
+    use_triton: bool | None = None,
+    gemm_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Forward over vocabulary chunks. h [N, D], weight [V, D], labels [N] -> (logp, entropy or None, lse), fp32.
+
+    No checks here (the op layer validates); labels outside [0, V) that are not ignore_index give a wrong logp
+    but never an out-of-bounds access.
+    """
+    n, v = h.shape[0], weight.shape[0]
+    dev = h.device
+    gdt = _gemm_dtype(h, gemm_dtype)
+    triton_path = _use_triton(h, use_triton)
+    epilogue = _triton_fwd_epilogue if triton_path else _torch_fwd_epilogue
+    hg = h if h.dtype == gdt else h.to(gdt)
+    c = chunk_size(n, v, torch.finfo(gdt).bits // 8, chunk)
+    logp = torch.empty(n, device=dev, dtype=torch.float32)
+    lse = torch.empty(n, device=dev, dtype=torch.float32)
+    ent = torch.empty(n, device=dev, dtype=torch.float32) if with_entropy else None
+    state = (
+        torch.full((n,), float("-inf"), device=dev, dtype=torch.float32),
+        torch.zeros(n, device=dev, dtype=torch.float32),
+        torch.zeros(n, device=dev, dtype=torch.float32),
+        torch.zeros(n, device=dev, dtype=torch.float32),
+    )
+    scalar_t = float(inv_t)
+    for v0 in range(0, v, c):
+        w_c = weight[v0 : v0 + c]
+        if w_c.dtype != gdt:
+            w_c = w_c.to(gdt)
+        z = torch.mm(hg, w_c.t())
+        epilogue(z, labels, state, logp, ent, lse, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v)
+        del z
+    if v == 0:  # an empty vocabulary: logsumexp of nothing is -inf
+        lse.fill_(float("-inf"))
+        logp.fill_(float("nan"))
+        if ent is not None:
+            ent.fill_(float("nan"))
+    return logp, ent, lse
+
+
+_FP32_ADDMM: bool | None = None
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b with fp32 accumulation, for a/b in fp32, fp16 or bf16."""
+    global _FP32_ADDMM
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if _FP32_ADDMM is None:
+        _FP32_ADDMM = a.is_cuda and _probe_fp32_addmm(a.device, a.dtype)
+    if _FP32_ADDMM and a.is_cuda:
+        # cuBLAS reads acc as C (beta = 1) and writes fp32: no rounding of the partial product to bf16.
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(torch.mm(a, b))
+
+
+def _probe_fp32_addmm(device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        a = torch.ones(16, 16, device=device, dtype=dtype)
+        acc = torch.ones(16, 16, device=device, dtype=torch.float32)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        return bool(acc[0, 0].item() == 17.0)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def probe() -> None:
+    """Settle one-time capability probes (call before CUDA graph capture; the op does it on first use)."""
+    global _FP32_ADDMM
+    if _FP32_ADDMM is None and torch.cuda.is_available():
+        _FP32_ADDMM = _probe_fp32_addmm(torch.device("cuda"), torch.bfloat16)
+
+
+def fused_linear_logprob_bwd(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_ent: torch.Tensor | None,
+    inv_t: float,
+    ignore_index: int,
+    need_dh: bool = True,
+    need_dw: bool = True,
+    *,
+    chunk: int = 0,
+    use_triton: bool | None = None,
+    gemm_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Backward over vocabulary chunks: (dh [N, D] or None, dW [V, D] or None) in the input dtypes.
+
+    grad_logp / grad_ent are [N] fp32 contiguous or None (None = zero). grad_ent needs ent.
+    """
+    n, d = h.shape
+    v = weight.shape[0]
+    dev = h.device
+    gdt = _gemm_dtype(h, gemm_dtype)
+    triton_path = _use_triton(h, use_triton)
+    epilogue = _triton_bwd_epilogue if triton_path else _torch_bwd_epilogue
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else None
+    dh_acc = torch.zeros(n, d, device=dev, dtype=torch.float32) if need_dh else None
+    if grad_logp is None and grad_ent is None:
+        if dw is not None:
+            dw.zero_()
+        return (dh_acc.to(h.dtype) if dh_acc is not None else None), dw
+    hg = h if h.dtype == gdt else h.to(gdt)
+    c = chunk_size(n, v, torch.finfo(gdt).bits // 8, chunk)
+    scalar_t = float(inv_t)
+    for v0 in range(0, v, c):
+        w_c = weight[v0 : v0 + c]
+        if w_c.dtype != gdt:
+            w_c = w_c.to(gdt)
+        z = torch.mm(hg, w_c.t())
+        epilogue(z, labels, lse, ent, grad_logp, grad_ent, v0, scalar_t, ignore_index)
+        if dw is not None:
+            if dw.dtype == gdt:
+                torch.mm(z.t(), hg, out=dw[v0 : v0 + c])
+            else:
+                dw[v0 : v0 + c] = torch.mm(z.t(), hg)
+        if dh_acc is not None:
+            _addmm_fp32_(dh_acc, z, w_c)
+        del z
+    dh = dh_acc.to(h.dtype) if dh_acc is not None else None
+    return dh, dw
+
+
+def reference_logprob_entropy(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unfused formula (builds the [N, V] logits): logp (0 at ignored rows) and entropy, in the logits' dtype."""
+    z = (h @ weight.t()) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    active = labels != ignore_index
+    zy = z.gather(-1, torch.where(active, labels, 0).long().unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(active, zy - lse, torch.zeros_like(lse))
+    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logp, ent
+
+
+__all__ = [
+    "CHUNK_BUDGET_BYTES",
+    "HAS_TRITON",
+    "chunk_size",
+    "fused_linear_logprob_bwd",
+    "fused_linear_logprob_fwd",
+    "probe",
+    "reference_logprob_entropy",
+]

@@ -1,0 +1,277 @@
+"""Custom ops for the fused lm_head -> log-prob / entropy / cross-entropy (kernels in tilecompile.kernels).
+
+``torch.ops.tilecompile.fused_linear_logprob(h, weight, labels, temperature=1.0, ignore_index=-100,
+with_entropy=True, check_inputs=False) -> (logp, entropy)``: per token, z = h·Wᵀ / t, logp = z_y − logsumexp(z)
+(0 where labels == ignore_index), entropy = lse − Σ softmax(z)·z (every row, ignored or not), both fp32 with
+labels' shape; ``entropy`` is an empty [0] tensor when with_entropy=False. Differentiable in h and weight.
+
+How it is built: the public op is a CompositeImplicitAutograd op with exactly that schema that validates shapes,
+dtypes and temperature (all static, so it traces) and calls ``tilecompile::_fused_linear_logprob_fwd``, a
+``torch.library.custom_op`` that also returns the per-row logsumexp. That third output is what the backward needs
+besides h, W, labels and entropy, and a custom op's autograd can only save its inputs and outputs: without it
+the backward would have to redo the whole forward GEMM. The backward is ``tilecompile::fused_linear_logprob_backward``,
+a custom op too, so AOTAutograd and Inductor treat both halves as opaque. Both have fake impls.
+
+Label range: on CPU a label outside [0, V) that is not ignore_index is always a ValueError; on CUDA it is checked
+only with check_inputs=True, which costs one reduction over the labels and a host sync (so it breaks CUDA graph
+capture); unchecked, such a row gets a meaningless logp but no out-of-bounds access.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tilecompile import config
+from tilecompile.kernels import fused_linear_ce as K
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LABEL_DTYPES = (torch.int32, torch.int64)
+
+_lib = torch.library.Library("tilecompile", "FRAGMENT")
+_lib.define(
+    "fused_linear_logprob(Tensor h, Tensor weight, Tensor labels, float temperature=1.0, int ignore_index=-100, "
+    "bool with_entropy=True, bool check_inputs=False) -> (Tensor logp, Tensor entropy)"
+)
+
+
+def _check_static(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float) -> None:
+    """Shape, dtype, device and temperature checks: everything that needs no tensor data (so it runs on fakes)."""
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+        raise ValueError(f"temperature must be a Python float, got {type(temperature).__name__}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if h.dim() < 1:
+        raise ValueError("h must have at least one dimension ([..., D])")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, D], got shape {tuple(weight.shape)}")
+    if h.shape[-1] != weight.shape[1]:
+        raise ValueError(f"h's last dim ({h.shape[-1]}) != weight's dim 1 ({weight.shape[1]})")
+    if tuple(labels.shape) != tuple(h.shape[:-1]):
+        raise ValueError(f"labels shape {tuple(labels.shape)} != h.shape[:-1] {tuple(h.shape[:-1])}")
+    if h.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"h dtype {h.dtype} not supported (float16, bfloat16, float32)")
+    if weight.dtype != h.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} != h dtype {h.dtype}")
+    if labels.dtype not in _LABEL_DTYPES:
+        raise ValueError(f"labels dtype {labels.dtype} not supported (int32, int64)")
+    if h.device != weight.device or h.device != labels.device:
+        raise ValueError(f"h, weight, labels on different devices: {h.device}, {weight.device}, {labels.device}")
+
+
+def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """A label outside [0, V) that is not ignore_index is an error (data-dependent: a host sync on CUDA)."""
+    bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+    if bool(bad.any()):
+        first = labels[bad][0].item()
+        raise ValueError(
+            f"label {first} out of range [0, {vocab}) and != ignore_index ({ignore_index}); "
+            f"{int(bad.sum())} such label(s)"
+        )
+
+
+def _vocab_chunk() -> int:
+    return config.load().ce_vocab_chunk
+
+
+def _flat(h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = h.shape[-1]
+    return h.reshape(-1, d).contiguous(), labels.reshape(-1).contiguous()
+
+
+def _active_rows(labels1: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """CPU only: indices of non-ignored rows when some are ignored (so those rows cost nothing), else None."""
+    keep = labels1 != ignore_index
+    if bool(keep.all()):
+        return None
+    return keep.nonzero().squeeze(1)
+
+
+@torch.library.custom_op("tilecompile::_fused_linear_logprob_fwd", mutates_args=())
+def _fused_linear_logprob_fwd(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    check_inputs: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy or empty [0], lse) in fp32; lse has labels' shape (0 at rows that never needed it)."""
+    _check_static(h, weight, labels, temperature)
+    vocab = weight.shape[0]
+    if not h.is_cuda or check_inputs:
+        _check_labels(labels, vocab, ignore_index)
+    h2, labels1 = _flat(h, labels)
+    shape = labels.shape
+    inv_t = 1.0 / float(temperature)
+    chunk = _vocab_chunk()
+    rows = None if (h.is_cuda or with_entropy) else _active_rows(labels1, ignore_index)
+    if rows is None:
+        logp, ent, lse = K.fused_linear_logprob_fwd(h2, weight, labels1, inv_t, ignore_index, with_entropy, chunk=chunk)
+    else:
+        n = labels1.shape[0]
+        logp = torch.zeros(n, dtype=torch.float32, device=h.device)
+        lse = torch.zeros(n, dtype=torch.float32, device=h.device)
+        lp_a, _, lse_a = K.fused_linear_logprob_fwd(
+            h2[rows], weight, labels1[rows], inv_t, ignore_index, False, chunk=chunk
+        )
+        logp[rows] = lp_a
+        lse[rows] = lse_a
+        ent = None
+    ent_out = ent.reshape(shape) if ent is not None else h.new_empty(0, dtype=torch.float32)
+    return logp.reshape(shape), ent_out, lse.reshape(shape)
+
+
+@_fused_linear_logprob_fwd.register_fake
+def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs):
+    _check_static(h, weight, labels, temperature)
+    logp = labels.new_empty(labels.shape, dtype=torch.float32)
+    ent = labels.new_empty(labels.shape if with_entropy else (0,), dtype=torch.float32)
+    lse = labels.new_empty(labels.shape, dtype=torch.float32)
+    return logp, ent, lse
+
+
+@torch.library.custom_op("tilecompile::fused_linear_logprob_backward", mutates_args=())
+def fused_linear_logprob_backward(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    need_grad_h: bool = True,
+    need_grad_weight: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_h with h's shape, grad_weight [V, D]) in the input dtype; an empty [0] tensor for a grad not needed.
+
+    grad_entropy needs entropy (the forward's, with labels' shape); None grads count as zero.
+    """
+    h2, labels1 = _flat(h, labels)
+    lse1 = lse.reshape(-1).contiguous()
+    glp = grad_logp.reshape(-1).float().contiguous() if grad_logp is not None else None
+    gent = grad_entropy.reshape(-1).float().contiguous() if grad_entropy is not None else None
+    ent1 = entropy.reshape(-1).contiguous() if gent is not None else None
+    inv_t = 1.0 / float(temperature)
+    chunk = _vocab_chunk()
+    rows = None if (h.is_cuda or gent is not None) else _active_rows(labels1, ignore_index)
+    if rows is None:
+        dh, dw = K.fused_linear_logprob_bwd(
+            h2, weight, labels1, lse1, ent1, glp, gent, inv_t, ignore_index, need_grad_h, need_grad_weight,
+            chunk=chunk,
+        )  # fmt: skip
+    else:
+        dh_a, dw = K.fused_linear_logprob_bwd(
+            h2[rows], weight, labels1[rows], lse1[rows], None, glp[rows] if glp is not None else None, None,
+            inv_t, ignore_index, need_grad_h, need_grad_weight, chunk=chunk,
+        )  # fmt: skip
+        dh = None
+        if dh_a is not None:
+            dh = torch.zeros_like(h2)
+            dh[rows] = dh_a
+    dh_out = dh.reshape(h.shape) if dh is not None else h.new_empty(0)
+    dw_out = dw if dw is not None else weight.new_empty(0)
+    return dh_out, dw_out
+
+
+@fused_linear_logprob_backward.register_fake
+def _(h, weight, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, need_grad_h=True,
+      need_grad_weight=True):  # fmt: skip
+    dh = h.new_empty(h.shape) if need_grad_h else h.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_grad_weight else weight.new_empty(0)
+    return dh, dw
+
+
+def _setup_context(ctx, inputs, output):
+    h, weight, labels, temperature, ignore_index, with_entropy, _check = inputs
+    _logp, ent, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(h, weight, labels, lse, ent)
+    ctx.temperature = temperature
+    ctx.ignore_index = ignore_index
+    ctx.with_entropy = with_entropy
+
+
+def _backward(ctx, grad_logp, grad_ent, _grad_lse):
+    h, weight, labels, lse, ent = ctx.saved_tensors
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not ctx.with_entropy:
+        grad_ent = None
+    if not (need_h or need_w):
+        return None, None, None, None, None, None, None
+    dh, dw = torch.ops.tilecompile.fused_linear_logprob_backward(
+        h, weight, labels, lse, ent, grad_logp, grad_ent, ctx.temperature, ctx.ignore_index, need_h, need_w
+    )
+    return (dh if need_h else None), (dw if need_w else None), None, None, None, None, None
+
+
+_fused_linear_logprob_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _fused_linear_logprob(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool = True,
+    check_inputs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_static(h, weight, labels, temperature)
+    logp, ent, _lse = torch.ops.tilecompile._fused_linear_logprob_fwd(
+        h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), bool(check_inputs)
+    )
+    return logp, ent
+
+
+_lib.impl("fused_linear_logprob", _fused_linear_logprob, "CompositeImplicitAutograd")
+
+
+def linear_logprob_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-prob of ``labels`` under softmax(h·Wᵀ / t), and the entropy (None if not asked), in fp32.
+
+    Label checks on CUDA follow the ``check_inputs`` setting (TILECOMPILE_CHECK_INPUTS; a host sync per call).
+    """
+    logp, ent = torch.ops.tilecompile.fused_linear_logprob(
+        h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), config.load().check_inputs
+    )
+    return logp, (ent if with_entropy else None)
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.cross_entropy(h @ weight.T / t, labels, ignore_index=..., reduction=...)`` without the logits (fp32).
+
+    mean: sum over non-ignored tokens / their count (all ignored: 0/0 = nan, as in torch); none: 0 at ignored.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    logp, _ = linear_logprob_entropy(h, weight, labels, temperature, ignore_index, with_entropy=False)
+    nll = -logp
+    if reduction == "none":
+        return nll
+    total = nll.sum()
+    if reduction == "sum":
+        return total
+    return total / (labels != ignore_index).sum()
+
+
+__all__ = ["fused_linear_logprob_backward", "linear_cross_entropy", "linear_logprob_entropy"]
