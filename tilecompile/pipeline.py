@@ -62,7 +62,7 @@ def run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str = "graph"
         if not settings.pass_enabled(name):
             log.debug("pass %s is off", name)
             continue
-        saved = {sub_name: copy.deepcopy(sub.graph) for sub_name, sub in G.graph_modules(gm)}
+        saved = {sub_name: _snapshot(sub.graph) for sub_name, sub in G.graph_modules(gm)}
         try:
             result = PassResult()
             module = load_pass(name)
@@ -90,6 +90,16 @@ def run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str = "graph"
         for s in result.skipped:
             log.info("%s skipped %s at %s: %s", name, s.candidate, s.module_path or "<root>", s.reason)
     return gm
+
+
+def _snapshot(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose nodes keep the extra attributes Dynamo sets on them (``_dynamo_source`` ...)."""
+    saved = copy.deepcopy(graph)
+    for old, new in zip(graph.nodes, saved.nodes):
+        for key, value in vars(old).items():
+            if key not in vars(new):
+                setattr(new, key, value)
+    return saved
 
 
 def _restore(gm: fx.GraphModule, saved: dict[str, fx.Graph]) -> None:

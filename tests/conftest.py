@@ -1,0 +1,43 @@
+"""Test setup: seeds, strict mode, GPU skips, hypothesis profiles (TILECOMPILE_FUZZ=ci|long)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+# The suite runs strict: a pass that fails raises instead of being undone with a warning.
+os.environ.setdefault("TILECOMPILE_STRICT", "1")
+
+try:
+    from hypothesis import HealthCheck, settings
+
+    _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)
+    settings.register_profile("long", max_examples=10_000, print_blob=True, **_common)
+    settings.load_profile(os.environ.get("TILECOMPILE_FUZZ", "ci"))
+except ImportError:  # hypothesis is a test extra; fuzz tests skip without it
+    pass
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_reset():
+    random.seed(0)
+    torch.manual_seed(0)
+    import tilecompile
+
+    tilecompile.reset()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -1,0 +1,64 @@
+"""Shared test helpers: one assert_close that says where and how much, error against a float64 reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, name: str = "") -> None:
+    """Like torch.testing.assert_close, but the message names the tensor, the worst index and the error sizes."""
+    label = f"{name}: " if name else ""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{label}shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    finite_mismatch = torch.isfinite(a) != torch.isfinite(e)
+    if finite_mismatch.any():
+        idx = tuple(int(i) for i in finite_mismatch.nonzero()[0])
+        raise AssertionError(f"{label}non-finite mismatch at {idx}: got {a[idx].item()}, expected {e[idx].item()}")
+    both = torch.isfinite(a) & torch.isfinite(e)
+    diff = torch.where(both, (a - e).abs(), torch.zeros_like(a))
+    bad = diff > atol + rtol * e.abs()
+    if bad.any():
+        flat = int(torch.argmax(torch.where(bad, diff, torch.zeros_like(diff))))
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape))
+        raise AssertionError(
+            f"{label}{int(bad.sum())}/{a.numel()} elements differ; worst at {idx}: got {a[idx].item():.6g}, "
+            f"expected {e[idx].item():.6g} (|diff| {diff[idx].item():.3g}, max |diff| {diff.max().item():.3g}, "
+            f"rtol={rtol}, atol={atol})"
+        )
+
+
+def rel_err(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """||actual - reference|| / ||reference|| in float64 (0 when both are 0)."""
+    a, r = actual.detach().double().cpu(), reference.detach().double().cpu()
+    denom = r.norm().item()
+    num = (a - r).norm().item()
+    return num if denom == 0 else num / denom
+
+
+def assert_grads_close(
+    model: torch.nn.Module, reference: torch.nn.Module, *, rtol: float, atol: float, skip: Iterable[str] = ()
+) -> None:
+    """Every parameter gradient of ``model`` equals ``reference``'s (both None counts as equal)."""
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        if name in skip:
+            continue
+        q = ref[name]
+        if p.grad is None or q.grad is None:
+            assert p.grad is None and q.grad is None, f"grad of {name}: {p.grad is None=} {q.grad is None=}"
+            continue
+        assert_close(p.grad, q.grad, rtol=rtol, atol=atol, name=f"grad of {name}")
+
+
+def compile_options(**overrides) -> dict:
+    """Options for test compiles: strict, aot_eager inner compiler, every MLP tiled; overrides win."""
+    return {"strict": True, "inner": "aot_eager", "mlp_min_tokens": 0, **overrides}
+
+
+def run_step(fn: Callable, *args):
+    out = fn(*args)
+    out.backward()
+    return out

@@ -1,0 +1,175 @@
+"""Canonical views: the same math in different spellings looks the same to a pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from tilecompile import graph as G
+
+
+def capture(fn, *args) -> fx.GraphModule:
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def nodes_with(gm, predicate):
+    return [n for n in gm.graph.nodes if predicate(n)]
+
+
+W = torch.randn(6, 4)
+B = torch.randn(6)
+X = torch.randn(3, 5, 4)
+
+LINEARS = {
+    "F.linear": lambda x, w: F.linear(x, w),
+    "torch._C._nn.linear": lambda x, w: torch._C._nn.linear(x, w),
+    "x @ w.t()": lambda x, w: x @ w.t(),
+    "x @ w.T": lambda x, w: x @ w.T,
+    "matmul(x, w.T)": lambda x, w: torch.matmul(x, w.T),
+    "x @ w.transpose(0, 1)": lambda x, w: x @ w.transpose(0, 1),
+    "x @ w.permute(1, 0)": lambda x, w: x @ w.permute(1, 0),
+    "nn.Linear": None,
+}
+
+
+@pytest.mark.parametrize("spelling", list(LINEARS))
+def test_linear_spellings(spelling):
+    if spelling == "nn.Linear":
+        lin = torch.nn.Linear(4, 6)
+        gm = capture(lambda x: lin(x), X)
+    else:
+        gm = capture(LINEARS[spelling], X, W)
+    views = [v for v in map(G.as_linear, gm.graph.nodes) if v is not None]
+    assert len(views) == 1, gm.code
+    v = views[0]
+    assert v.input.op == "placeholder" and v.weight.op in ("placeholder", "get_attr")
+    assert G.shape(v.weight) == (6, 4)
+    assert (v.bias is not None) == (spelling == "nn.Linear")
+
+
+def test_matmul_without_transposed_weight_is_not_a_linear():
+    gm = capture(lambda x, w: x @ w, X, W.t().contiguous())
+    assert all(G.as_linear(n) is None for n in gm.graph.nodes)
+
+
+class SiLUModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.act(x)
+
+
+ACTIVATIONS = {
+    "F.silu": (lambda x: F.silu(x), "silu"),
+    "nn.SiLU": (SiLUModule(), "silu"),
+    "x*sigmoid(x)": (lambda x: x * torch.sigmoid(x), "silu"),
+    "sigmoid(x)*x": (lambda x: torch.sigmoid(x) * x, "silu"),
+    "x*x.sigmoid()": (lambda x: x * x.sigmoid(), "silu"),
+    "F.gelu": (lambda x: F.gelu(x), "gelu"),
+    "F.gelu tanh": (lambda x: F.gelu(x, approximate="tanh"), "gelu_tanh"),
+    "F.relu": (lambda x: F.relu(x), "relu"),
+    "x.relu()": (lambda x: x.relu(), "relu"),
+}
+
+
+@pytest.mark.parametrize("spelling", list(ACTIVATIONS))
+def test_activation_spellings(spelling):
+    fn, kind = ACTIVATIONS[spelling]
+    gm = capture(fn, X)
+    acts = [a for a in map(G.as_activation, gm.graph.nodes) if a is not None]
+    assert [a.kind for a in acts] == [kind], gm.code
+    assert acts[0].input.op == "placeholder"
+
+
+def test_sigmoid_of_other_tensor_is_not_silu():
+    gm = capture(lambda x, y: x * torch.sigmoid(y), X, X.clone())
+    assert all(G.as_activation(n) is None for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x, y: x.float(), lambda x, y: x.to(torch.float32), lambda x, y: x.type_as(y), lambda x, y: x.to(y.dtype)],
+    ids=["float", "to_dtype", "type_as", "to_dtype_of"],
+)
+def test_cast_spellings(fn):
+    gm = capture(lambda x, y: fn(x, y) * 2, X.half(), X)
+    casts = nodes_with(gm, lambda n: G.cast_target(n) is not None)
+    assert len(casts) == 1 and G.cast_target(casts[0]) == torch.float32
+    mul = nodes_with(gm, lambda n: G.op(n) == "mul")[0]
+    assert G.strip_casts(mul.args[0]).op == "placeholder"
+
+
+def test_to_device_is_not_a_cast():
+    gm = capture(lambda x: x.to("cpu") * 2, X)
+    assert not nodes_with(gm, lambda n: G.cast_target(n) is not None)
+
+
+SOFTMAX_OPS = {
+    "F.softmax": (lambda z: F.softmax(z, dim=-1), "softmax"),
+    "torch.softmax": (lambda z: torch.softmax(z, -1), "softmax"),
+    "z.softmax": (lambda z: z.softmax(-1), "softmax"),
+    "F.log_softmax": (lambda z: F.log_softmax(z, dim=-1), "log_softmax"),
+    "z.log_softmax": (lambda z: z.log_softmax(dim=-1), "log_softmax"),
+    "torch.logsumexp": (lambda z: torch.logsumexp(z, dim=-1), "logsumexp"),
+    "z.logsumexp": (lambda z: z.logsumexp(-1), "logsumexp"),
+}
+
+
+@pytest.mark.parametrize("spelling", list(SOFTMAX_OPS))
+def test_softmax_family(spelling):
+    fn, name = SOFTMAX_OPS[spelling]
+    gm = capture(fn, X)
+    found = nodes_with(gm, lambda n: G.op(n) == name)
+    assert len(found) == 1, gm.code
+    assert G.normalize_dim(G.arg(found[0], 1, "dim"), 3) == 2
+
+
+@pytest.mark.parametrize(
+    "fn", [lambda z, y: z.gather(-1, y), lambda z, y: torch.gather(z, -1, y)], ids=["method", "function"]
+)
+def test_gather_spellings(fn):
+    gm = capture(fn, X, torch.zeros(3, 5, 1, dtype=torch.long))
+    (g,) = nodes_with(gm, lambda n: G.op(n) == "gather")
+    assert G.arg(g, 0, "input").op == "placeholder" and G.arg(g, 1, "dim") == -1
+
+
+def test_view_like_and_graph_input():
+    gm = capture(lambda x: x.view(15, 4).unsqueeze(0).reshape(15, 4).float() + 1, X)
+    add = nodes_with(gm, lambda n: G.op(n) == "add")[0]
+    assert G.graph_input(add.args[0]).op == "placeholder"
+    assert G.graph_input(add) is None
+
+
+def test_module_path():
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Inner(), Inner()])
+
+        def forward(self, x):
+            return self.layers[1](self.layers[0](x))
+
+    gm = capture(Outer(), X)
+    paths = [G.module_path(n) for n in gm.graph.nodes if G.as_linear(n) is not None]
+    assert paths == ["layers.0.proj", "layers.1.proj"]
+    assert G.clean_path("L['self']._modules['model']._modules['layers']['3'].mlp") == "model.layers.3.mlp"
