@@ -326,3 +326,29 @@ def graph_input(node: Any) -> fx.Node | None:
 def graph_modules(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
     """``gm`` and every nested GraphModule (bodies of higher-order ops such as activation checkpointing)."""
     return [(name or "<root>", m) for name, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
+
+
+# ------------------------------------------------------------------------------ additions: fused_linear_ce
+
+
+_INPLACE_OPERATORS = frozenset(
+    {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow, operator.imod}
+)
+
+
+def is_inplace(node: fx.Node) -> bool:
+    """``node`` mutates its first argument: ``x.div_(t)``, ``torch.relu_(x)``, ``x *= 2``, ``out.copy_(y)``."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("_")
+    if node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return True
+        name = getattr(node.target, "__name__", "") or ""
+        return _is_torch_callable(node.target) and name.endswith("_") and not name.startswith("_")
+    return False
+
+
+def eliminate_dead_code(graph: fx.Graph) -> bool:
+    """``graph.eliminate_dead_code()`` that keeps in-place calls with no users (FX would drop ``x.div_(t)``)."""
+    return graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_inplace(n))
