@@ -328,6 +328,99 @@ def graph_modules(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
     return [(name or "<root>", m) for name, m in gm.named_modules() if isinstance(m, fx.GraphModule)]
 
 
+# ------------------------------------------------------------------------------------- additions: tiled_mlp
+
+
+def as_affine(node: fx.Node) -> Linear | None:
+    """``as_linear``, plus a bias added separately: ``x @ w.t() + b`` or ``b + F.linear(x, w)`` (b 1-D [out])."""
+    lin = as_linear(node)
+    if lin is not None or op(node) != "add" or "alpha" in node.kwargs or len(node.args) != 2:
+        return lin
+    a, b = node.args
+    for inner, bias in ((a, b), (b, a)):
+        lin = as_linear(inner) if isinstance(inner, fx.Node) else None
+        if lin is None or lin.bias is not None or not isinstance(bias, fx.Node):
+            continue
+        out = (shape(lin.weight) or (None,))[0]
+        if shape(bias) == (out,) and shape(node) == shape(inner):
+            return Linear(node, lin.input, lin.weight, bias)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LastDimSlice:
+    """``source[..., start:stop]``, however it was spelled: an item of ``chunk``/``split`` along the last dim,
+    ``narrow(-1, ...)``, or basic slicing with every other dim whole."""
+
+    node: fx.Node
+    source: fx.Node
+    start: int
+    stop: int
+
+
+def as_last_dim_slice(node: fx.Node) -> LastDimSlice | None:
+    name = op(node)
+    if name == "narrow":
+        src, dim, start, length = (arg(node, i, k) for i, k in enumerate(("input", "dim", "start", "length")))
+        return _last_dim_slice(node, src, dim, start, None if length is None else start + length)
+    if name != "getitem" or not isinstance(node.args[0], fx.Node):
+        return None
+    parent, index = node.args[0], node.args[1]
+    if isinstance(index, int) and op(parent) in ("chunk", "split"):
+        src = arg(parent, 0, "input", arg(parent, 0, "tensor"))
+        size = hint((shape(src) or (None,))[-1]) if isinstance(src, fx.Node) else None
+        if size is None or index < 0:
+            return None
+        if op(parent) == "chunk":
+            chunks, dim = arg(parent, 1, "chunks"), arg(parent, 2, "dim", 0)
+            if not isinstance(chunks, int) or chunks <= 0:
+                return None
+            sizes = [-(-size // chunks)] * chunks
+        else:
+            sections = arg(parent, 1, "split_size_or_sections", parent.kwargs.get("split_size"))
+            dim = arg(parent, 2, "dim", 0)
+            if isinstance(sections, int) and sections > 0:
+                sizes = [sections] * -(-size // sections)
+            elif isinstance(sections, list | tuple) and all(isinstance(s, int) for s in sections):
+                sizes = list(sections)
+            else:
+                return None
+        if index >= len(sizes):
+            return None
+        start = sum(sizes[:index])
+        return _last_dim_slice(node, src, dim, start, min(start + sizes[index], size))
+    src = parent
+    ndim = len(shape(src) or ())
+    if not isinstance(index, tuple) or ndim == 0 or not all(isinstance(i, slice) or i is Ellipsis for i in index):
+        return None
+    if index[:1] == (Ellipsis,) and len(index) == 2:
+        last = index[1]
+    elif Ellipsis not in index and len(index) == ndim and all(i == slice(None) for i in index[:-1]):
+        last = index[-1]
+    else:
+        return None
+    if last.step not in (None, 1):
+        return None
+    return _last_dim_slice(node, src, -1, last.start or 0, last.stop)
+
+
+def _last_dim_slice(node: fx.Node, src: Any, dim: Any, start: Any, stop: Any) -> LastDimSlice | None:
+    src_shape = shape(src)
+    if not src_shape or normalize_dim(dim, len(src_shape)) != len(src_shape) - 1:
+        return None
+    size = hint(src_shape[-1])
+    if size is None or not isinstance(start, int) or not isinstance(stop, int | None):
+        return None
+    stop = size if stop is None else stop
+    start, stop = (max(0, min(size, i + size if i < 0 else i)) for i in (start, stop))
+    return LastDimSlice(node, src, start, stop) if start < stop else None
+
+
+def is_autocast_marker(node: fx.Node) -> bool:
+    """An ``_enter_autocast`` / ``_exit_autocast`` node: Dynamo's spelling of a ``torch.autocast`` block edge."""
+    return node.op == "call_function" and getattr(node.target, "__name__", "") in ("_enter_autocast", "_exit_autocast")
+
+
 # ------------------------------------------------------------------------------ additions: fused_linear_ce
 
 
