@@ -226,6 +226,46 @@ def test_grad_accum_param_vs_fp32(dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the fused Triton elementwise path (CUDA's), run on CPU tensors by Triton's interpreter in fp32
+
+_TRITON_WORKER = textwrap.dedent(
+    """
+    import torch, torch.nn.functional as F
+    from tilecompile.ops import tiled_mlp
+
+    tiled_mlp._TRITON_ON_CPU = True
+    torch.manual_seed(0)
+    n, d, i = 130, 16, 40
+    for activation in tiled_mlp.ACTIVATIONS:
+        for needs in ([True] * 7, [False, True, True, False, False, True, False]):
+            x, gy = torch.randn(n, d), torch.randn(n, d)
+            wg, wu, wd = torch.randn(i, d) / 4, torch.randn(i, d) / 4, torch.randn(d, i) / 6
+            bg, bu = torch.randn(i), torch.randn(i)
+            args = (x, wg, bg, wu, bu, wd, None, activation, 64, 256, "fp32")
+            outs = []
+            for use_triton in (True, False):
+                tiled_mlp.USE_TRITON = use_triton
+                y = torch.ops.tilecompile.tiled_gated_mlp(*args)
+                grads = torch.ops.tilecompile.tiled_gated_mlp_backward(
+                    gy, x, wg, bg, wu, bu, wd, activation, 64, 256, "fp32", needs
+                )
+                outs.append((y, *grads))
+            for a, b in zip(*outs):
+                assert a.shape == b.shape, (activation, needs)
+                assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (activation, needs, (a - b).abs().max())
+    print("ok")
+    """
+)
+
+
+def test_triton_fused_elementwise_matches_pytorch_path_interpreted():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CI": "true"}
+    res = subprocess.run([sys.executable, "-c", _TRITON_WORKER], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # registration: opcheck, torch.compile, dynamic shapes, autocast
 
 
@@ -408,7 +448,11 @@ def test_ddp_gloo_matches_single_process(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("grad_accum", ["fp32", "param"])
-def test_gpu_bf16_vs_float64(activation, grad_accum):
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_gpu_bf16_vs_float64(activation, grad_accum, use_triton, monkeypatch):
+    from tilecompile.ops import tiled_mlp
+
+    monkeypatch.setattr(tiled_mlp, "USE_TRITON", use_triton)
     n, d, i = 4099, 256, 704
     x64 = torch.randn(n, d, dtype=torch.float64, device="cuda", requires_grad=True)
     p64 = [
