@@ -1,13 +1,884 @@
-"""Placeholder for the fused_linear_ce pass; replaced by its implementation."""
+"""Rewrites lm_head linear -> (temperature) -> log-prob / entropy / cross-entropy into one fused op.
+
+With z = h·Wᵀ / t: logp = z_y − logsumexp(z), H = logsumexp(z) − Σ softmax(z)·z, CE = −logp (masked, reduced),
+all from ``tilecompile::fused_linear_logprob(h, W, labels, t, ignore_index, with_entropy)``, which never builds z.
+
+Find: every linear (``graph.as_linear``) is followed forward through its *chain* (casts, temperature, views and
+leading-dim slices of the [..., V] logits) into an abstract algebra over the vocabulary: a value is the logits
+chain, a vocab-sized linear form ``a·z + b·lse + c`` (log_softmax is ``z − lse``), the same times ``softmax(z)``,
+or a per-row combination of lse, z_y (gather), Σp·z (sum of p times a form) and masked CE terms. Any spelling
+that reduces to these forms matches: ``log_softmax(z).gather(y)``, ``z.gather(y) − logsumexp(z)``,
+``-F.cross_entropy(z, y, reduction="none")``, ``logsumexp(z) − Σ softmax(z)·z``, ``−Σ softmax(z)·log_softmax(z)``,
+``−Σ exp(logp)·logp``, ``F.cross_entropy(..., reduction="mean"|"sum", ignore_index=k)``, ``F.nll_loss``.
+Check: a per-row value that leaves the region must be ``α·logp + β·H (+ const)`` (its lse coefficients cancel);
+logits or vocab-sized values must not leave it (returned, argmax, sampling, ...). Each check returns a reason.
+Rewrite: views/slices on the logits are replayed on h (``logits[:, :-1]`` becomes ``h[:, :-1]``), one op call per
+(logits view, labels, ignore_index), and each escaping value is rebuilt from logp / entropy and cast back to the
+dtype it had. Mean CE is ``−Σ logp / count(labels != ignore_index)`` (0/0 = nan, as ``F.cross_entropy``).
+
+Temperature: a Python number goes to the op's ``temperature``. A tensor (or symbolic) temperature scales h instead,
+``(h / t).to(h.dtype)``, and the op gets 1.0: exact in fp32, one extra rounding of h in bf16 (its grad flows to t).
+In-place scaling (verl's ``logits.div_(t)``) is understood when the scaled logits have no other aliases in use.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import operator
+from typing import Any
+
+import torch
 import torch.fx as fx
 
-from tilecompile.pipeline import PassContext, PassResult
+from tilecompile import graph as G
+from tilecompile import reporting as R
+from tilecompile.pipeline import PassContext, PassResult, expect
 
 NAME = "fused_linear_ce"
 
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the fused op takes for h and W
+_LABEL_DTYPES = (torch.int32, torch.int64)
+# a gather-based log-prob has no ignored rows (gather on a negative label fails in eager): any negative index will do
+_ANY_NEGATIVE = "any-negative"
+_DEFAULT_IGNORE = -100
+_SOFTMAX_FAMILY = frozenset({"log_softmax", "softmax", "logsumexp", "cross_entropy", "nll_loss"})
+
+_ADVICE = (
+    "compile the function that computes the loss from the model's outputs (so the logits stay inside the graph "
+    "and have no other use), not only the model"
+)
+
+
+# ------------------------------------------------------------------------------------------- abstract values
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """The logits (or a view, slice, cast or temperature-scaled version of them): ``z`` of this node."""
+
+    replay: tuple[fx.Node, ...]  # views/slices from the linear output to here, to replay on h
+    scale: float = 1.0  # product of Python-number multipliers (1 / temperature)
+    tensor_scales: tuple[tuple[str, Any], ...] = ()  # ("div" | "mul", tensor or symbolic scalar)
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """A [..., V] value ``form`` = {"z": a, "lse": b, "one": c} over the chain node ``base``; times softmax(z) when
+    ``soft``."""
+
+    base: fx.Node
+    form: tuple[tuple[str, float], ...]
+    soft: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A per-row value: Σ coef · term with terms "lse", "spz" (Σ p·z), "one", ("zy", labels) and ("ce", labels,
+    ignore_index) (the unreduced CE, −logp masked); [..., 1] when ``keepdim``."""
+
+    base: fx.Node
+    terms: tuple[tuple[Any, float], ...]
+    keepdim: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduced:
+    """``F.cross_entropy(z, labels, reduction="sum" | "mean", ignore_index=k)``: a scalar."""
+
+    base: fx.Node
+    labels: fx.Node
+    ignore: int
+    reduction: str
+
+
+def _combine(x: tuple, y: tuple, sy: float = 1.0) -> tuple:
+    out: dict[Any, float] = dict(x)
+    for k, v in y:
+        out[k] = out.get(k, 0.0) + sy * v
+    return tuple((k, v) for k, v in out.items() if v != 0.0)
+
+
+def _scaled(x: tuple, s: float) -> tuple:
+    return tuple((k, v * s) for k, v in x if v * s != 0.0)
+
+
+def _form(**terms: float) -> tuple:
+    return tuple((k, float(v)) for k, v in terms.items() if v != 0)
+
+
+_Z = _form(z=1)
+_LOGP = _form(z=1, lse=-1)
+
+
+class _Reject(Exception):
+    """A matched region that cannot be rewritten; the message is the reason for the report."""
+
+
+# --------------------------------------------------------------------------------------------------- region
+
+
+@dataclasses.dataclass
+class _Region:
+    linear: G.Linear
+    values: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
+    order: list[fx.Node] = dataclasses.field(default_factory=list)  # region nodes in graph order
+    inplace: list[fx.Node] = dataclasses.field(default_factory=list)
+    consumers: list[str] = dataclasses.field(default_factory=list)
+    softmax_family: bool = False
+    rejected: str | None = None
+
+    @property
+    def vocab(self) -> int:
+        return int(G.shape(self.linear.weight)[0])
+
+
+def _dim_is_last(dim: Any, ndim: int) -> bool:
+    if isinstance(dim, list | tuple):
+        return len(dim) == 1 and _dim_is_last(dim[0], ndim)
+    return G.normalize_dim(dim, ndim) == ndim - 1
+
+
+def _ndim(node: Any) -> int:
+    return len(G.shape(node) or ())
+
+
+def _scalar(x: Any) -> float | None:
+    if isinstance(x, bool):
+        return None
+    return float(x) if isinstance(x, int | float) else None
+
+
+def _same_shape(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and [str(s) for s in a] == [str(s) for s in b]
+
+
+class _Analysis:
+    """Walks forward from one linear, giving each node it understands an abstract value."""
+
+    def __init__(self, gm: fx.GraphModule, linear: G.Linear, position: dict[fx.Node, int]) -> None:
+        self.gm = gm
+        self.r = _Region(linear)
+        self.position = position
+
+    # --- entry
+    def run(self) -> _Region:
+        r = self.r
+        lin = r.linear.node
+        r.values[lin] = Chain(())
+        r.order.append(lin)
+        start = self.position[lin]
+        for node in list(self.gm.graph.nodes)[start + 1 :]:
+            inputs = [a for a in G.tensor_args(node) if a in r.values] + _nested_region_args(node, r.values)
+            if not inputs:
+                continue
+            try:
+                value = self.classify(node)
+            except _Reject as exc:
+                r.rejected = r.rejected or str(exc)
+                value = None
+            if value is None:
+                continue
+            if value == "inplace":
+                continue
+            r.values[node] = value
+            r.order.append(node)
+        return r
+
+    # --- classification of one node whose inputs include region values
+    def classify(self, node: fx.Node) -> Any:
+        r = self.r
+        name = G.op(node)
+        x = G.arg(node, 0, "input")
+        xv = r.values.get(x) if isinstance(x, fx.Node) else None
+
+        if name in ("mul", "div") and len(node.args) == 2 and not node.kwargs:
+            a, b = node.args
+            va, vb = (r.values.get(n) if isinstance(n, fx.Node) else None for n in (a, b))
+            if isinstance(va, Chain) and vb is None and b is not a:
+                return self.scaled(va, name, b)
+            if name == "mul" and isinstance(vb, Chain) and va is None and b is not a:
+                return self.scaled(vb, name, a)
+        if isinstance(xv, Chain):
+            out = self.chain_step(node, name, x, xv)
+            if out is not None:
+                return out
+        if name in ("log_softmax", "softmax") and xv is not None:
+            dim = G.arg(node, 1, "dim")
+            if not _dim_is_last(dim, _ndim(x)) or not self._float_dtype_arg(node):
+                return None
+            form = self.vocab_form(x)
+            if form is None or form[1] != _Z:
+                if form is not None and name == "log_softmax" and form[1] == _LOGP and not form[2]:
+                    return Vocab(form[0], _LOGP, False)
+                return None
+            r.softmax_family = True
+            return Vocab(form[0], _LOGP, False) if name == "log_softmax" else Vocab(form[0], _form(one=1), True)
+        if name == "logsumexp" and xv is not None:
+            dim, keepdim = G.arg(node, 1, "dim"), G.arg(node, 2, "keepdim", False)
+            form = self.vocab_form(x)
+            if form is None or form[1] != _Z or form[2] or not _dim_is_last(dim, _ndim(x)):
+                return None
+            r.softmax_family = True
+            return Row(form[0], _form(lse=1), bool(keepdim))
+        if name == "exp" and isinstance(xv, Vocab) and not xv.soft and xv.form == _LOGP:
+            return Vocab(xv.base, _form(one=1), True)
+        if name in ("gather", "take_along_dim") and xv is not None:
+            return self.gather(node, name, x)
+        if name in ("cross_entropy", "nll_loss") and xv is not None:
+            return self.cross_entropy(node, name, x)
+        if name == "sum" and xv is not None:
+            return self.vocab_sum(node, x, xv)
+        if name in ("mul", "div", "add", "sub", "neg"):
+            return self.arith(node, name)
+        if name in ("squeeze", "unsqueeze") and isinstance(xv, Row):
+            return self.row_dims(node, name, x, xv)
+        if name == "contiguous" and isinstance(xv, Vocab | Row):
+            return xv
+        return None
+
+    def _float_dtype_arg(self, node: fx.Node) -> bool:
+        dt = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)
+        return dt is None or dt in _FLOAT_DTYPES
+
+    def vocab_form(self, x: fx.Node) -> tuple[fx.Node, tuple, bool] | None:
+        """(base chain node, form, soft) of a region value usable as a vocab-sized tensor."""
+        v = self.r.values.get(x)
+        if isinstance(v, Chain):
+            return x, _Z, False
+        if isinstance(v, Vocab):
+            return v.base, v.form, v.soft
+        return None
+
+    # --- the logits chain: casts, temperature, views, leading-dim slices
+    def chain_step(self, node: fx.Node, name: str | None, x: fx.Node, xv: Chain) -> Any:
+        target = G.cast_target(node)
+        if target is not None:
+            return xv if target in _FLOAT_DTYPES else None
+        if name == "contiguous":
+            return xv
+        if G.is_inplace(node) and node.op == "call_method" and node.target in ("div_", "mul_"):
+            return self.inplace_scale(node, x, xv)
+        if name in G.VIEW_OPS or name == "getitem" or name == "unflatten":
+            if self.leading_only(node, name, x):
+                return Chain((*xv.replay, node), xv.scale, xv.tensor_scales)
+        return None
+
+    def scaled(self, xv: Chain, name: str, other: Any) -> Chain | None:
+        s = _scalar(other)
+        if s is not None:
+            scale = xv.scale * (s if name == "mul" else 1.0 / s) if s != 0 else 0.0
+            if not math.isfinite(scale) or scale <= 0:
+                return None
+            return Chain(xv.replay, scale, xv.tensor_scales)
+        if isinstance(other, fx.Node):
+            value = G.example_value(other)
+            if isinstance(value, torch.Tensor) and value.dim() != 0:
+                raise _Reject(
+                    f"temperature {other.name} is a tensor of shape {tuple(value.shape)}; only a number or a 0-dim "
+                    "tensor can be folded into the fused op"
+                )
+            if isinstance(value, torch.Tensor) and not value.is_floating_point():
+                return None
+            return Chain(xv.replay, xv.scale, (*xv.tensor_scales, (name, other)))
+        return None
+
+    def inplace_scale(self, node: fx.Node, x: fx.Node, xv: Chain) -> str:
+        r = self.r
+        scaled = self.scaled(
+            xv, "mul" if node.target == "mul_" else "div", node.args[1] if len(node.args) > 1 else None
+        )
+        if scaled is None or len(node.args) != 2 or node.kwargs:
+            raise _Reject(f"in-place {node.target} on the logits ({node.name}) is not a temperature")
+        # the mutation is visible through every alias: allow it only where x's ancestors have no other use,
+        # and where x itself was not read before it (those readers saw the unscaled logits)
+        if any(u in r.values for u in x.users):
+            raise _Reject(f"the logits {x.name} are used both before and after the in-place temperature {node.name}")
+        cur = x
+        while cur is not r.linear.node:
+            parent = cur.args[0]
+            if len(parent.users) != 1:
+                raise _Reject(f"in-place temperature {node.name} mutates logits that have other aliases in use")
+            cur = parent
+        r.values[x] = scaled
+        r.values[node] = scaled
+        r.order.append(node)
+        r.inplace.append(node)
+        return "inplace"
+
+    def leading_only(self, node: fx.Node, name: str | None, x: fx.Node) -> bool:
+        """``node`` is a view/slice of ``x`` that leaves the last (vocabulary) dim alone."""
+        v = self.r.vocab
+        xs, ys = G.shape(x), G.shape(node)
+        if not xs or not ys or G.hint(xs[-1]) != v or G.hint(ys[-1]) != v:
+            return False
+        nd = len(xs)
+        if name in ("view", "reshape"):
+            sizes = _view_sizes(node)
+            return sizes is not None and len(sizes) >= 1
+        if name == "flatten":
+            end = G.arg(node, 2, "end_dim", -1)
+            return G.normalize_dim(end, nd) is not None and G.normalize_dim(end, nd) < nd - 1
+        if name == "unflatten":
+            return (
+                G.normalize_dim(G.arg(node, 1, "dim"), nd) is not None
+                and G.normalize_dim(G.arg(node, 1, "dim"), nd) < nd - 1
+            )
+        if name in ("squeeze", "unsqueeze"):
+            dim = G.arg(node, 1, "dim")
+            if dim is None:
+                return name == "squeeze" and all(G.hint(s) not in (None, 1) for s in xs[:-1]) and len(ys) == nd
+            nd_ref = nd + 1 if name == "unsqueeze" else nd
+            d = G.normalize_dim(dim, nd_ref)
+            return d is not None and d < nd_ref - 1
+        if name == "contiguous":
+            return True
+        if name in ("transpose",):
+            dims = [G.normalize_dim(G.arg(node, 1, "dim0"), nd), G.normalize_dim(G.arg(node, 2, "dim1"), nd)]
+            return all(d is not None and d < nd - 1 for d in dims)
+        if name == "permute":
+            dims = node.args[1:] if len(node.args) > 2 else G.arg(node, 1, "dims")
+            return bool(dims) and G.normalize_dim(list(dims)[-1], nd) == nd - 1
+        if name == "getitem":
+            return _leading_index(node.args[1], nd)
+        return False
+
+    # --- consumers
+    def gather(self, node: fx.Node, name: str, x: fx.Node) -> Row | None:
+        r = self.r
+        form = self.vocab_form(x)
+        if form is None or form[2]:
+            return None
+        if name == "gather":
+            dim, index = G.arg(node, 1, "dim"), G.arg(node, 2, "index")
+        else:
+            index, dim = G.arg(node, 1, "indices"), G.arg(node, 2, "dim")
+        if not isinstance(index, fx.Node) or index in r.values or not _dim_is_last(dim, _ndim(x)):
+            return None
+        xs, ishape = G.shape(x), G.shape(index)
+        if not ishape or G.hint(ishape[-1]) != 1 or not _same_shape(ishape[:-1], xs[:-1]):
+            raise _Reject(
+                f"{node.name} gathers index of shape {ishape} from logits of shape {xs}: only one label per row is "
+                "supported"
+            )
+        if G.dtype(index) not in _LABEL_DTYPES:
+            raise _Reject(f"{node.name}: label dtype {G.dtype(index)} is not int32/int64")
+        index = _labels_of(index) or index
+        a = dict(form[1])
+        r.consumers.append("gather")
+        terms = _combine(_form(lse=a.get("lse", 0), one=a.get("one", 0)), ((("zy", index), a.get("z", 0.0)),))
+        return Row(form[0], terms, True)
+
+    def cross_entropy(self, node: fx.Node, name: str, x: fx.Node) -> Any:
+        r = self.r
+        form = self.vocab_form(x)
+        if form is None or form[2] or form[1] != (_Z if name == "cross_entropy" else _LOGP):
+            return None
+        r.softmax_family = True
+        labels = G.arg(node, 1, "target")
+        weight = G.arg(node, 2, "weight")
+        size_average, reduce = G.arg(node, 3, "size_average"), G.arg(node, 5, "reduce")
+        ignore = G.arg(node, 4, "ignore_index", _DEFAULT_IGNORE)
+        reduction = G.arg(node, 6, "reduction", "mean")
+        smoothing = G.arg(node, 7, "label_smoothing", 0.0) if name == "cross_entropy" else 0.0
+        where = f"{name} {node.name}"
+        if weight is not None:
+            raise _Reject(f"{where} has class weights (the fused op has none)")
+        if size_average is not None or reduce is not None:
+            raise _Reject(f"{where} uses the legacy size_average/reduce arguments")
+        if smoothing:
+            raise _Reject(f"{where} has label_smoothing={smoothing} (the fused op has none)")
+        if not isinstance(ignore, int) or reduction not in ("none", "mean", "sum"):
+            raise _Reject(f"{where}: ignore_index={ignore!r} / reduction={reduction!r} are not constants it knows")
+        if not isinstance(labels, fx.Node) or labels in r.values:
+            return None
+        ldt = G.dtype(labels)
+        if ldt is not None and ldt.is_floating_point:
+            raise _Reject(f"{where} has floating-point targets {labels.name} (class probabilities), not labels")
+        if ldt not in _LABEL_DTYPES:
+            raise _Reject(f"{where}: label dtype {ldt} is not int32/int64")
+        xs = G.shape(x)
+        if len(xs or ()) != 2 or not _same_shape(G.shape(labels), xs[:-1]):
+            raise _Reject(
+                f"{where}: logits of shape {xs} with labels of shape {G.shape(labels)} (needs [N, V] and [N])"
+            )
+        r.consumers.append(f"{name}({reduction}, ignore_index={ignore})")
+        if reduction == "none":
+            return Row(form[0], ((("ce", labels, ignore), 1.0),), False)
+        return Reduced(form[0], labels, ignore, reduction)
+
+    def vocab_sum(self, node: fx.Node, x: fx.Node, xv: Any) -> Row | None:
+        if not isinstance(xv, Vocab) or not xv.soft:
+            return None
+        dim = G.arg(node, 1, "dim")
+        keepdim = G.arg(node, 2, "keepdim", False)
+        if dim is None or not _dim_is_last(dim, _ndim(x)) or node.kwargs.get("dtype") not in (None, *_FLOAT_DTYPES):
+            return None
+        a = dict(xv.form)
+        # Σ_j p_j (a z_j + b lse + c) = a Σ p z + b lse + c
+        return Row(xv.base, _form(spz=a.get("z", 0), lse=a.get("lse", 0), one=a.get("one", 0)), bool(keepdim))
+
+    def arith(self, node: fx.Node, name: str) -> Any:
+        r = self.r
+        if node.kwargs or (name != "neg" and len(node.args) != 2):
+            return None
+        if name == "neg":
+            v = r.values.get(node.args[0])
+            return _scale_value(v, -1.0)
+        a, b = node.args
+        va, vb = (
+            r.values.get(a) if isinstance(a, fx.Node) else None,
+            r.values.get(b) if isinstance(b, fx.Node) else None,
+        )
+        if name in ("mul", "div"):
+            if va is not None and vb is None and _scalar(b) is not None:
+                s = _scalar(b)
+                if name == "div" and s == 0:
+                    return None
+                return _scale_value(va, s if name == "mul" else 1.0 / s)
+            if name == "mul" and vb is not None and va is None and _scalar(a) is not None:
+                return _scale_value(vb, _scalar(a))
+            if name == "mul" and va is not None and vb is not None:
+                fa, fb = self._vocab_of(a, va), self._vocab_of(b, vb)
+                if fa is None or fb is None or fa.base is not fb.base or fa.soft == fb.soft:
+                    return None
+                soft, plain = (fa, fb) if fa.soft else (fb, fa)
+                coef = dict(soft.form)
+                if set(coef) != {"one"}:
+                    return None
+                return Vocab(soft.base, _scaled(plain.form, coef["one"]), True)
+            return None
+        sign = 1.0 if name == "add" else -1.0
+        if va is None or vb is None:
+            # a constant added to a row value
+            if va is not None and _scalar(b) is not None and isinstance(va, Row):
+                return Row(va.base, _combine(va.terms, _form(one=_scalar(b)), sign), va.keepdim)
+            if vb is not None and _scalar(a) is not None and isinstance(vb, Row):
+                return Row(vb.base, _combine(_scaled(vb.terms, sign), _form(one=_scalar(a))), vb.keepdim)
+            return None
+        if isinstance(va, Row) and isinstance(vb, Row):
+            if va.base is not vb.base or va.keepdim != vb.keepdim:
+                return None
+            return Row(va.base, _combine(va.terms, vb.terms, sign), va.keepdim)
+        # a vocab-sized form plus a keepdim row of lse: z - logsumexp(z, -1, keepdim=True)
+        fa, fb = self._vocab_of(a, va), self._vocab_of(b, vb)
+        for f, row, s_f, s_row in ((fa, vb, 1.0, sign), (fb, va, sign, 1.0)):
+            if f is None or not isinstance(row, Row) or f.soft or not row.keepdim or row.base is not f.base:
+                continue
+            if {k for k, _ in row.terms} - {"lse", "one"}:
+                return None
+            return Vocab(f.base, _combine(_scaled(f.form, s_f), row.terms, s_row), False)
+        if fa is not None and fb is not None and fa.base is fb.base and fa.soft == fb.soft:
+            return Vocab(fa.base, _combine(fa.form, fb.form, sign), fa.soft)
+        return None
+
+    def _vocab_of(self, node: Any, v: Any) -> Vocab | None:
+        if isinstance(v, Chain):
+            return Vocab(node, _Z, False)
+        return v if isinstance(v, Vocab) else None
+
+    def row_dims(self, node: fx.Node, name: str, x: fx.Node, xv: Row) -> Row | None:
+        dim = G.arg(node, 1, "dim")
+        nd = _ndim(x)
+        if name == "squeeze" and xv.keepdim:
+            if dim is None:
+                xs = G.shape(x)
+                ok = all(G.hint(s) not in (None, 1) for s in xs[:-1])
+            else:
+                ok = _dim_is_last(dim, nd)
+            return Row(xv.base, xv.terms, False) if ok else None
+        if name == "unsqueeze" and not xv.keepdim and G.normalize_dim(dim, nd + 1) == nd:
+            return Row(xv.base, xv.terms, True)
+        return None
+
+
+def _scale_value(v: Any, s: float | None) -> Any:
+    if s is None or v is None:
+        return None
+    if isinstance(v, Row):
+        return Row(v.base, _scaled(v.terms, s), v.keepdim)
+    if isinstance(v, Vocab):
+        return Vocab(v.base, _scaled(v.form, s), v.soft)
+    return None
+
+
+def _nested_region_args(node: fx.Node, values: dict[fx.Node, Any]) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) if n in values else None)
+    return found
+
+
+def _view_sizes(node: fx.Node) -> list | None:
+    if node.kwargs and set(node.kwargs) - {"shape", "size"}:
+        return None
+    if node.kwargs:
+        sizes = next(iter(node.kwargs.values()))
+        return list(sizes) if isinstance(sizes, list | tuple) else None
+    rest = node.args[1:]
+    if len(rest) == 1 and isinstance(rest[0], list | tuple | torch.Size):
+        return list(rest[0])
+    if any(isinstance(s, torch.dtype) for s in rest):
+        return None
+    return list(rest)
+
+
+def _leading_index(index: Any, ndim: int) -> bool:
+    """A basic index (ints, slices, one Ellipsis) that leaves the last dim whole."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, slice | int | fx.Node) or i is Ellipsis for i in items):
+        return False
+    covered = 0
+    for i in items:
+        if isinstance(i, fx.Node):
+            value = G.example_value(i)
+            if isinstance(value, torch.Tensor):
+                # advanced indexing of leading dims (a row mask or row indices) replays on h unchanged
+                covered += value.dim() if value.dtype == torch.bool else 1
+                continue
+            if not isinstance(value, int | torch.SymInt):
+                return False
+        covered += i is not Ellipsis
+    if sum(i is Ellipsis for i in items) > 1:
+        return False
+    if Ellipsis in items:
+        after = items[items.index(Ellipsis) + 1 :]
+        return not after or _full_slice(after[-1])
+    return covered < ndim or (covered == ndim and _full_slice(items[-1]))
+
+
+def _full_slice(i: Any) -> bool:
+    return isinstance(i, slice) and i.start is None and i.stop is None and i.step in (None, 1)
+
+
+# ------------------------------------------------------------------------------------------------- checks
+
+
+def _check_linear(r: _Region) -> str | None:
+    lin = r.linear
+    if lin.bias is not None:
+        return f"the linear has a bias ({lin.bias.name}); the fused op has none"
+    if G.graph_input(lin.weight) is None:
+        return f"its weight {lin.weight.name} is computed in the graph, not a graph input (parameter)"
+    hd, wd, od = G.dtype(lin.input), G.dtype(lin.weight), G.dtype(lin.node)
+    if hd not in _OP_DTYPES:
+        return f"h dtype {hd} is not supported by the fused op (float16, bfloat16, float32)"
+    if hd != wd or od != hd:
+        return f"h/weight/logits dtypes differ ({hd}, {wd}, {od}): autocast or mixed dtypes are not supported"
+    return None
+
+
+def _escapes(r: _Region) -> tuple[list[fx.Node], str | None]:
+    """Region nodes whose value is used outside the region (to rebuild), or the reason the region cannot be."""
+    out: list[fx.Node] = []
+    inside = set(r.values)
+    for node in r.order:
+        v = r.values[node]
+        outside = [u for u in node.users if u not in inside]
+        if not outside:
+            continue
+        user = outside[0]
+        if isinstance(v, Chain | Vocab):
+            what = "the logits" if isinstance(v, Chain) else f"the vocabulary-sized {node.name}"
+            use = "returned from the graph" if user.op == "output" else f"used by {user.name} ({G.op(user) or user.op})"
+            return out, f"{what} are also {use}; the fused op never builds the logits: {_ADVICE}"
+        if any(G.is_inplace(u) and u.args and u.args[0] is node for u in outside):
+            return out, f"{node.name} is mutated in place outside the matched region"
+        if isinstance(v, Row):
+            reason = _row_reason(node, v)
+            if reason:
+                return out, reason
+        out.append(node)
+    return out, None
+
+
+def _row_reason(node: fx.Node, v: Row) -> str | None:
+    t = dict(v.terms)
+    lse = t.get("lse", 0.0) + t.get("spz", 0.0) + sum(c for k, c in t.items() if isinstance(k, tuple) and k[0] == "zy")
+    if abs(lse) > 1e-12:
+        return f"{node.name} uses logsumexp(logits) on its own (not as part of a log-prob or entropy)"
+    if not any(k != "one" for k in t):
+        return f"{node.name} is a constant of the logits' softmax"
+    return None
+
+
+def _labels_of(index: fx.Node) -> fx.Node | None:
+    """``y`` when ``index`` is ``y.unsqueeze(-1)`` (or ``y[..., None]``), else None (squeeze it)."""
+    if G.op(index) == "unsqueeze" and G.normalize_dim(G.arg(index, 1, "dim"), _ndim(index)) == _ndim(index) - 1:
+        return index.args[0]
+    if G.op(index) == "getitem" and index.args[1] in ((Ellipsis, None), (slice(None), None)) and _ndim(index) == 2:
+        return index.args[0]
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ rewrite
+
+
+class _Builder:
+    """Inserts nodes before ``anchor``, fake-running each so its meta carries ``example_value``."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode: Any, meta_from: fx.Node) -> None:
+        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
+        self.stack = meta_from.meta.get("nn_module_stack")
+        self.trace = meta_from.meta.get("stack_trace")
+        self.new: list[fx.Node] = []
+
+    def call(self, target: Any, *args: Any, method: bool = False, **kwargs: Any) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = (self.graph.call_method if method else self.graph.call_function)(target, args, kwargs)
+        if self.stack is not None:
+            node.meta["nn_module_stack"] = dict(self.stack)
+        if self.trace is not None:
+            node.meta["stack_trace"] = self.trace
+        fa, fk = fx.node.map_arg((args, kwargs), G.example_value)
+        with self.fake_mode:
+            node.meta["example_value"] = getattr(fa[0], target)(*fa[1:], **fk) if method else target(*fa, **fk)
+        self.new.append(node)
+        return node
+
+
+def _hoist(node: Any, anchor: fx.Node, position: dict[fx.Node, int]) -> None:
+    """Move ``node`` (and what it needs) before ``anchor`` when it is defined later; only pure nodes move."""
+    if not isinstance(node, fx.Node) or position.get(node, -1) < position[anchor]:
+        return
+    if node.op not in ("call_function", "call_method") or G.is_inplace(node) or node.is_impure():
+        raise _Reject(f"{node.name} is computed after the log-probs are first used and cannot be moved")
+    for a in node.all_input_nodes:
+        _hoist(a, anchor, position)
+    anchor.prepend(node)
+    position[node] = position[anchor] - 0.5
+
+
+def _replay(b: _Builder, h: fx.Node, node: fx.Node, d: int) -> fx.Node:
+    """Apply the view/slice ``node`` (of [..., V] logits) to ``h`` ([..., D])."""
+    name = G.op(node)
+    if name in ("view", "reshape"):
+        sizes = _view_sizes(node)
+        sizes = [*sizes[:-1], sizes[-1] if sizes[-1] == -1 else d]
+        return b.call(name, h, *sizes, method=True)
+    args = (h, *node.args[1:])
+    if node.op == "call_method":
+        return b.call(node.target, *args, method=True, **node.kwargs)
+    return b.call(node.target, *args, **node.kwargs)
+
+
+def temperature_of(chain: Chain) -> float:
+    return 1.0 / chain.scale
+
+
+def _rewrite(gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], check_inputs: bool, op: Any) -> R.Rewrite:
+    graph = gm.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    inside = set(r.values)
+    users = [u for n in escapes for u in n.users if u not in inside]
+    anchor = min(users, key=lambda u: position[u])
+    lin = r.linear
+    h, weight = lin.input, lin.weight
+    fake_mode = getattr(G.example_value(h), "fake_mode", None)  # the graph's own mode, not the tracing context's
+    if fake_mode is None:
+        raise _Reject("no fake tensors on the graph to build the rewrite with")
+    b = _Builder(graph, anchor, fake_mode, lin.node)
+    d = int(G.shape(weight)[1])
+
+    # which (base, labels, ignore) calls each escaping value needs
+    calls: dict[fx.Node, dict[tuple, dict[str, Any]]] = {}
+    needs_entropy: set[fx.Node] = set()
+    for node in escapes:
+        v = r.values[node]
+        keys = []
+        if isinstance(v, Reduced):
+            keys.append((v.labels, v.ignore))
+        else:
+            for k, _ in v.terms:
+                if k == "spz":
+                    needs_entropy.add(v.base)
+                elif isinstance(k, tuple) and k[0] == "zy":
+                    keys.append((k[1], _ANY_NEGATIVE))
+                elif isinstance(k, tuple) and k[0] == "ce":
+                    keys.append((k[1], k[2]))
+        for key in keys:
+            calls.setdefault(v.base, {}).setdefault(key, {})
+    for base in needs_entropy:
+        calls.setdefault(base, {})
+
+    # merge a gather's labels (any negative ignore_index) into a CE call on the same labels with a negative one
+    for keyed in calls.values():
+        for labels, ignore in list(keyed):
+            if ignore != _ANY_NEGATIVE:
+                continue
+            twin = next((k for k in keyed if k[0] is labels and k[1] != _ANY_NEGATIVE and k[1] < 0), None)
+            keyed[(labels, ignore)] = {"alias": twin} if twin else {}
+
+    # everything the calls read must exist before the anchor: move pure label computations up if needed
+    for base, keyed in calls.items():
+        for n in (*(t for _, t in r.values[base].tensor_scales), *(k[0] for k in keyed)):
+            _hoist(n, anchor, position)
+
+    results: dict[fx.Node, dict[Any, Any]] = {}
+    n_calls = 0
+    rows: list[int] = []
+    for base, keyed in calls.items():
+        chain: Chain = r.values[base]
+        hb = h
+        for view in chain.replay:
+            hb = _replay(b, hb, view, d)
+        for kind, t in chain.tensor_scales:
+            hb = b.call(operator.truediv if kind == "div" else operator.mul, hb, t)
+        if chain.tensor_scales:
+            hb = b.call("to", hb, G.dtype(h), method=True)
+        device = G.example_value(h).device
+        rows.append(math.prod(G.hint(s) or 0 for s in G.shape(hb)[:-1]))
+        out: dict[Any, Any] = {"entropy": None}
+        todo = [k for k, spec in keyed.items() if "alias" not in spec] or [None]  # None: entropy only
+        for key in todo:
+            if key is None:
+                first = b.call(operator.getitem, hb, (Ellipsis, 0))
+                labels, ignore = b.call(torch.full_like, first, _DEFAULT_IGNORE, dtype=torch.int64), _DEFAULT_IGNORE
+            else:
+                labels, ignore = key
+                ignore = _DEFAULT_IGNORE if ignore == _ANY_NEGATIVE else ignore
+                if _ndim(labels) == len(G.shape(hb)):  # a gather index [..., 1]
+                    labels = b.call(torch.squeeze, labels, -1)
+            with_entropy = base in needs_entropy and out["entropy"] is None
+            ls = G.shape(labels)
+            fused = b.call(
+                op, hb, weight, labels, float(temperature_of(chain)), int(ignore), with_entropy, check_inputs
+            )
+            with fake_mode:
+                expected = (
+                    torch.empty(ls, dtype=torch.float32, device=device),
+                    torch.empty(ls if with_entropy else (0,), dtype=torch.float32, device=device),
+                )
+            expect(fused, expected)
+            logp = b.call(operator.getitem, fused, 0)
+            expect(logp, expected[0])
+            n_calls += 1
+            if key is not None:
+                out[key] = (logp, labels, ignore)
+            if with_entropy:
+                out["entropy"] = b.call(operator.getitem, fused, 1)
+                expect(out["entropy"], expected[1])
+        for key, spec in keyed.items():
+            if "alias" in spec:
+                out[key] = out[spec["alias"]]
+        results[base] = out
+
+    for node in escapes:
+        v = r.values[node]
+        out = results[v.base]
+        if isinstance(v, Reduced):
+            logp, labels, ignore = out[(v.labels, v.ignore)]
+            total = b.call(torch.neg, b.call(torch.sum, logp))
+            if v.reduction == "mean":
+                count = b.call(torch.sum, b.call(operator.ne, labels, ignore))
+                total = b.call(operator.truediv, total, count)
+            value = total
+        else:
+            value = _row_value(b, v, out)
+        want = G.example_value(node)
+        if G.dtype(value) != want.dtype:
+            value = b.call("to", value, want.dtype, method=True)
+        expect(value, want)
+        node.replace_all_uses_with(value)
+
+    for node in reversed(r.order):
+        if node.users:
+            raise RuntimeError(f"fused_linear_ce: {node.name} still has users {list(node.users)} after the rewrite")
+        graph.erase_node(node)
+
+    n_rows = max(rows) if rows else 0
+    temps = sorted({f"{temperature_of(r.values[bn]):g}" for bn in calls})
+    tensor_t = any(r.values[bn].tensor_scales for bn in calls)
+    detail = (
+        f"consumers: {', '.join(dict.fromkeys(r.consumers))}; temperature {'/'.join(temps)}"
+        f"{' (tensor, folded into h)' if tensor_t else ''}; {n_calls} fused call(s)"
+    )
+    return R.Rewrite(
+        NAME,
+        G.module_path(lin.node),
+        shapes={"h": (n_rows, d), "weight": tuple(G.shape(weight)), "N/D/V": (n_rows, d, r.vocab)},
+        dtypes={"h": str(G.dtype(h)), "weight": str(G.dtype(weight)), "logits": str(G.dtype(lin.node))},
+        detail=detail,
+    )
+
+
+def _row_value(b: _Builder, v: Row, out: dict[Any, Any]) -> fx.Node:
+    t = dict(v.terms)
+    parts: list[tuple[fx.Node, float]] = []
+    for k, c in t.items():
+        if isinstance(k, tuple) and k[0] == "zy":
+            parts.append((out[(k[1], _ANY_NEGATIVE)][0], c))  # c · logp (its −c·lse is cancelled by the check)
+        elif isinstance(k, tuple) and k[0] == "ce":
+            parts.append((out[(k[1], k[2])][0], -c))
+        elif k == "spz":
+            parts.append((out["entropy"], -c))  # Σ p z = lse − H; the lse parts cancel
+    value = None
+    for tensor, c in parts:
+        term = tensor if c == 1 else b.call(torch.neg, tensor) if c == -1 else b.call(operator.mul, tensor, c)
+        value = term if value is None else b.call(operator.add, value, term)
+    if t.get("one", 0.0):
+        value = b.call(operator.add, value, t["one"])
+    if v.keepdim:
+        value = b.call(torch.unsqueeze, value, -1)
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------- pass
+
+
+def _fused_op() -> tuple[Any, str | None]:
+    try:
+        import tilecompile.ops.fused_linear_ce  # noqa: F401 - registers the op
+    except ImportError as exc:
+        if not hasattr(torch.ops.tilecompile, "fused_linear_logprob"):
+            return None, f"the fused op is unavailable ({exc})"
+    try:
+        return torch.ops.tilecompile.fused_linear_logprob.default, None
+    except AttributeError as exc:
+        return None, f"the fused op is unavailable ({exc})"
+
+
+def find(gm: fx.GraphModule) -> list[_Region]:
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    regions = []
+    for node in gm.graph.nodes:
+        lin = G.as_linear(node)
+        if lin is None or len(G.shape(lin.weight) or ()) != 2 or G.hint(G.shape(lin.weight)[0]) is None:
+            continue
+        r = _Analysis(gm, lin, position).run()
+        if r.softmax_family:
+            regions.append(r)
+    return regions
+
+
+def check(r: _Region) -> tuple[list[fx.Node], str | None]:
+    for reason in (r.rejected, _check_linear(r)):
+        if reason:
+            return [], reason
+    escapes, reason = _escapes(r)
+    if reason:
+        return [], reason
+    if not escapes:
+        return [], "nothing computed from the logits is used"
+    return escapes, None
+
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    return PassResult()
+    result = PassResult()
+    regions = find(gm)
+    if not regions:
+        return result
+    op, unavailable = _fused_op()
+    for r in regions:
+        where = G.module_path(r.linear.node)
+        candidate = f"linear {r.linear.node.name} -> log-prob/entropy/CE"
+        escapes, reason = check(r)
+        reason = reason or unavailable
+        if reason is None:
+            try:
+                result.rewrites.append(_rewrite(gm, r, escapes, ctx.settings.check_inputs, op))
+                continue
+            except _Reject as exc:  # raised before the graph is changed (hoisting only moves pure nodes)
+                reason = str(exc)
+        result.skipped.append(R.Skip(NAME, candidate, where, reason))
+    return result
