@@ -149,10 +149,12 @@ def hint(size: Any) -> int | None:
     """A concrete int for a (possibly symbolic) size: its hint under dynamic shapes."""
     if isinstance(size, int):
         return size
-    try:
-        from torch.fx.experimental.symbolic_shapes import hint_int
+    from torch.fx.experimental import symbolic_shapes
 
-        return int(hint_int(size))
+    # hint_int was renamed optimization_hint (torch 2.13); use whichever this torch has
+    get = getattr(symbolic_shapes, "hint_int", None) or getattr(symbolic_shapes, "optimization_hint", None)
+    try:
+        return int(get(size))
     except Exception:
         return None
 
