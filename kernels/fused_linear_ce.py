@@ -259,6 +259,67 @@ def _gemm_dtype(h: torch.Tensor, gemm_dtype: torch.dtype | None) -> torch.dtype:
     return h.dtype if h.is_cuda else torch.float32
 
 
+class _Pipeline:
+    """Two chunk buffers and a side stream: the epilogue of chunk i runs beside the main stream's GEMMs.
+
+    The GEMMs stay on the caller's stream; each epilogue waits for its chunk's GEMM (an event), and the main
+    stream waits for that epilogue only where it reads the result. Buffers are allocated on the main stream and
+    the main stream joins the side stream before they are freed, so the caching allocator never hands a buffer
+    back while the side stream still uses it. Works under CUDA graph capture (fork/join through events).
+    """
+
+    def __init__(self, n: int, c: int, dtype: torch.dtype, device: torch.device, overlap: bool):
+        self.overlap = overlap and device.type == "cuda"
+        self.bufs = [torch.empty(n * c, dtype=dtype, device=device) for _ in range(2 if self.overlap else 1)]
+        self.n = n
+        if self.overlap:
+            self.main = torch.cuda.current_stream(device)
+            self.side = _side_stream(device)
+            self.side.wait_stream(self.main)
+            self.done: list = [None, None]
+
+    def gemm(self, i: int, a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+        """z = a @ b_t written into buffer i % 2 (after the epilogue that last used it is done)."""
+        j = i % len(self.bufs)
+        if self.overlap and self.done[j] is not None:
+            self.main.wait_event(self.done[j])
+        z = self.bufs[j][: self.n * b_t.shape[1]].view(self.n, b_t.shape[1])
+        torch.mm(a, b_t, out=z)
+        return z
+
+    def epilogue(self, i: int, fn, *args) -> None:
+        if not self.overlap:
+            fn(*args)
+            return
+        ready = torch.cuda.Event()
+        ready.record(self.main)
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(ready)
+            fn(*args)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        self.done[i % 2] = done
+
+    def wait(self, i: int) -> None:
+        """The main stream waits for chunk i's epilogue."""
+        if self.overlap:
+            self.main.wait_event(self.done[i % 2])
+
+    def join(self) -> None:
+        if self.overlap:
+            self.main.wait_stream(self.side)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]
+
+
 def fused_linear_logprob_fwd(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -270,11 +331,12 @@ def fused_linear_logprob_fwd(
     chunk: int = 0,
     use_triton: bool | None = None,
     gemm_dtype: torch.dtype | None = None,
+    overlap: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward over vocabulary chunks. h [N, D], weight [V, D], labels [N] -> (logp, entropy or None, lse), fp32.
 
     No checks here (the op layer validates); labels outside [0, V) that are not ignore_index give a wrong logp
-    but never an out-of-bounds access.
+    but never an out-of-bounds access. ``overlap`` runs epilogues on a side stream (CUDA only).
     """
     n, v = h.shape[0], weight.shape[0]
     dev = h.device
@@ -293,13 +355,15 @@ def fused_linear_logprob_fwd(
         torch.zeros(n, device=dev, dtype=torch.float32),
     )
     scalar_t = float(inv_t)
-    for v0 in range(0, v, c):
+    pipe = _Pipeline(n, c, gdt, dev, overlap)
+    for i, v0 in enumerate(range(0, v, c)):
         w_c = weight[v0 : v0 + c]
         if w_c.dtype != gdt:
             w_c = w_c.to(gdt)
-        z = torch.mm(hg, w_c.t())
-        epilogue(z, labels, state, logp, ent, lse, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v)
-        del z
+        z = pipe.gemm(i, hg, w_c.t())
+        args = (z, labels, state, logp, ent, lse, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v)
+        pipe.epilogue(i, epilogue, *args)
+    pipe.join()
     if v == 0:  # an empty vocabulary: logsumexp of nothing is -inf
         lse.fill_(float("-inf"))
         logp.fill_(float("nan"))
@@ -336,11 +400,12 @@ def _probe_fp32_addmm(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def probe() -> None:
-    """Settle one-time capability probes (call before CUDA graph capture; the op does it on first use)."""
+def probe() -> bool:
+    """Settle the one-time capability probe (the op does it on first use; call it before CUDA graph capture)."""
     global _FP32_ADDMM
     if _FP32_ADDMM is None and torch.cuda.is_available():
         _FP32_ADDMM = _probe_fp32_addmm(torch.device("cuda"), torch.bfloat16)
+    return bool(_FP32_ADDMM)
 
 
 def fused_linear_logprob_bwd(
@@ -359,10 +424,12 @@ def fused_linear_logprob_bwd(
     chunk: int = 0,
     use_triton: bool | None = None,
     gemm_dtype: torch.dtype | None = None,
+    overlap: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward over vocabulary chunks: (dh [N, D] or None, dW [V, D] or None) in the input dtypes.
 
     grad_logp / grad_ent are [N] fp32 contiguous or None (None = zero). grad_ent needs ent.
+    With ``overlap`` the epilogue of chunk i+1 runs on a side stream beside the dW / dh GEMMs of chunk i.
     """
     n, d = h.shape
     v = weight.shape[0]
@@ -379,12 +446,9 @@ def fused_linear_logprob_bwd(
     hg = h if h.dtype == gdt else h.to(gdt)
     c = chunk_size(n, v, torch.finfo(gdt).bits // 8, chunk)
     scalar_t = float(inv_t)
-    for v0 in range(0, v, c):
-        w_c = weight[v0 : v0 + c]
-        if w_c.dtype != gdt:
-            w_c = w_c.to(gdt)
-        z = torch.mm(hg, w_c.t())
-        epilogue(z, labels, lse, ent, grad_logp, grad_ent, v0, scalar_t, ignore_index)
+    pipe = _Pipeline(n, c, gdt, dev, overlap)
+
+    def finish(z, w_c, v0):
         if dw is not None:
             if dw.dtype == gdt:
                 torch.mm(z.t(), hg, out=dw[v0 : v0 + c])
@@ -392,7 +456,25 @@ def fused_linear_logprob_bwd(
                 dw[v0 : v0 + c] = torch.mm(z.t(), hg)
         if dh_acc is not None:
             _addmm_fp32_(dh_acc, z, w_c)
-        del z
+
+    pending = None
+    for i, v0 in enumerate(range(0, v, c)):
+        w_c = weight[v0 : v0 + c]
+        if w_c.dtype != gdt:
+            w_c = w_c.to(gdt)
+        z = pipe.gemm(i, hg, w_c.t())
+        pipe.epilogue(i, epilogue, z, labels, lse, ent, grad_logp, grad_ent, v0, scalar_t, ignore_index)
+        if pending is not None:
+            pipe.wait(i - 1)
+            finish(*pending)
+        pending = (z, w_c, v0)
+        if not pipe.overlap:
+            pending = None
+            finish(z, w_c, v0)
+    if pending is not None:
+        pipe.wait((v - 1) // c)
+        finish(*pending)
+    pipe.join()
     dh = dh_acc.to(h.dtype) if dh_acc is not None else None
     return dh, dw
 
