@@ -275,10 +275,12 @@ class _Analysis:
         if isinstance(other, fx.Node):
             value = G.example_value(other)
             if isinstance(value, torch.Tensor) and value.dim() != 0:
-                raise _Reject(
+                # keep following the logits, so that the reason is reported if they reach a softmax
+                self.r.rejected = self.r.rejected or (
                     f"temperature {other.name} is a tensor of shape {tuple(value.shape)}; only a number or a 0-dim "
                     "tensor can be folded into the fused op"
                 )
+                return xv
             if isinstance(value, torch.Tensor) and not value.is_floating_point():
                 return None
             return Chain(xv.replay, xv.scale, (*xv.tensor_scales, (name, other)))
@@ -579,9 +581,8 @@ def _escapes(r: _Region) -> tuple[list[fx.Node], str | None]:
             continue
         user = outside[0]
         if isinstance(v, Chain | Vocab):
-            what = "the logits" if isinstance(v, Chain) else f"the vocabulary-sized {node.name}"
-            use = "returned from the graph" if user.op == "output" else f"used by {user.name} ({G.op(user) or user.op})"
-            return out, f"{what} are also {use}; the fused op never builds the logits: {_ADVICE}"
+            what = "the logits" if isinstance(v, Chain) else f"{_vocab_name(v)} {node.name} of the logits"
+            return out, f"{what} are also {_describe_use(user)}; the fused op never builds the logits: {_ADVICE}"
         if any(G.is_inplace(u) and u.args and u.args[0] is node for u in outside):
             return out, f"{node.name} is mutated in place outside the matched region"
         if isinstance(v, Row):
@@ -590,6 +591,26 @@ def _escapes(r: _Region) -> tuple[list[fx.Node], str | None]:
                 return out, reason
         out.append(node)
     return out, None
+
+
+def _vocab_name(v: Vocab) -> str:
+    if v.soft:
+        return "the softmax" if v.form == _form(one=1) else "a softmax-weighted value"
+    return "the log-softmax" if v.form == _LOGP else "a vocabulary-sized value"
+
+
+def _describe_use(user: fx.Node) -> str:
+    """ "returned from the graph" or "used by argmax argmax_1", looking through views, casts and detach."""
+    via = []
+    while user.op != "output" and (G.is_view_like(user) or G.op(user) == "detach" or G.cast_target(user)):
+        if len(user.users) != 1:
+            break
+        via.append(G.op(user) or str(user.target))
+        user = next(iter(user.users))
+    through = f" (through {', '.join(via)})" if via else ""
+    if user.op == "output":
+        return f"returned from the graph{through}"
+    return f"used by {G.op(user) or user.op} {user.name}{through}"
 
 
 def _row_reason(node: fx.Node, v: Row) -> str | None:
