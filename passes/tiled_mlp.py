@@ -1,13 +1,369 @@
-"""Placeholder for the tiled_mlp pass; replaced by its implementation."""
+"""Rewrites gated MLPs into sequence-chunked recompute regions (``tilecompile::tiled_gated_mlp``).
+
+    down(act(gate(x)) * up(x))  ->  tiled_gated_mlp(x, Wg, bg, Wu, bu, Wd, bd, act)   (act: silu, gelu, gelu_tanh, relu)
+
+The op runs the MLP chunk by chunk over the tokens of ``x`` and saves only ``x`` for backward, so the [N, I]
+intermediates never exist all at once. Matched by meaning through ``tilecompile.graph``: linears in any spelling
+(``F.linear``, ``x @ w.t()``, a separate bias add), SiLU as ``F.silu`` / ``nn.SiLU`` / ``x * sigmoid(x)``, either
+order of the gate multiply, and fused ``gate_up`` weights whose output is cut in two along the last dim
+(``chunk``, ``split``, slicing); their gate and up weights are passed as row slices of the fused weight (views:
+autograd sums both halves' grads into the one parameter).
+
+Checks, each a reason when it says no: the same ``x`` feeds gate and up; every weight is a graph input; shapes
+chain without broadcasting; the intermediates are used only inside the MLP; one dtype inside the region (under
+autocast the op is handed ``x`` and the weights cast to the compute dtype, as ``F.linear`` would); no autocast
+edge inside the region; at least ``mlp_min_tokens`` tokens.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import math
+import operator
+
+import torch
 import torch.fx as fx
 
-from tilecompile.pipeline import PassContext, PassResult
+import tilecompile.ops.tiled_mlp  # noqa: F401 - registers torch.ops.tilecompile.tiled_gated_mlp
+from tilecompile import graph as G
+from tilecompile import reporting as R
+from tilecompile.pipeline import PassContext, PassResult, expect
 
 NAME = "tiled_mlp"
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """``gate(x)`` or ``up(x)``: a linear, or rows ``[start, stop)`` of a fused linear's output features."""
+
+    node: fx.Node  # what the gate multiply (or activation) reads
+    linear: G.Linear
+    start: int | None = None
+    stop: int | None = None
+
+    @property
+    def sliced(self) -> bool:
+        return self.start is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedMLP:
+    down: G.Linear
+    mul: fx.Node
+    act: G.Activation
+    gate: Projection
+    up: Projection
+    region: frozenset[fx.Node]  # every node the op replaces, ``down.node`` included
+
+    @property
+    def x(self) -> fx.Node:
+        return self.gate.linear.input
+
+    @property
+    def fused(self) -> bool:
+        return self.gate.linear.node is self.up.linear.node
+
+
+# ------------------------------------------------------------------------------------------------------ find
+
+
+def as_projection(node: object) -> Projection | None:
+    if not isinstance(node, fx.Node):
+        return None
+    lin = G.as_affine(node)
+    if lin is not None:
+        return Projection(node, lin)
+    part = G.as_last_dim_slice(node)
+    lin = G.as_affine(part.source) if part is not None else None
+    if lin is not None:
+        return Projection(node, lin, part.start, part.stop)
+    return None
+
+
+def match(node: fx.Node) -> GatedMLP | str | None:
+    """A gated MLP ending in ``node`` (its down projection); a reason when it looks like an MLP but is not one
+    this pass can tile; None when ``node`` is not an MLP's down projection at all."""
+    down = G.as_affine(node)
+    if down is None or _bias_added_later(down):
+        return None
+    h = down.input
+    act = G.as_activation(h)
+    if act is not None and as_projection(act.input) is not None:
+        return f"not gated: down({act.kind}(linear(x))) has no gate multiply (nothing to tile)"
+    if G.op(h) != "mul" or len(h.args) != 2 or h.kwargs:
+        return None
+    a, b = h.args
+    if not all(isinstance(t, fx.Node) for t in (a, b)):
+        return None
+    acts = [(G.as_activation(p), q) for p, q in ((a, b), (b, a))]
+    if not any(act for act, _ in acts) and not any(as_projection(t) for t in (a, b)):
+        return None  # e.g. an RMSNorm's weight * hidden feeding a linear
+    for act, other in acts:
+        if act is None:
+            continue
+        gate, up = as_projection(act.input), as_projection(other)
+        if gate is None:
+            return f"the activation's input {act.input.name} is not a linear (gate projection)"
+        if up is None:
+            return f"the factor {other.name} beside {act.kind}(gate) is not a linear (up projection)"
+        return GatedMLP(down, h, act, gate, up, _region(node, down, gate, up))
+    kinds = ", ".join(str(G.op(t) or t.op) for t in (a, b))
+    return f"gate multiply of ({kinds}): neither factor is {'/'.join(ACTIVATIONS)} of a linear"
+
+
+def _bias_added_later(lin: G.Linear) -> bool:
+    """``lin`` is the matmul of ``x @ w.t() + b``: the add is the down projection, not this node."""
+    if lin.bias is not None or len(lin.node.users) != 1:
+        return False
+    (user,) = lin.node.users
+    outer = G.as_affine(user)
+    return outer is not None and outer.weight is lin.weight
+
+
+def _region(end: fx.Node, down: G.Linear, gate: Projection, up: Projection) -> frozenset[fx.Node]:
+    """The nodes between the MLP's inputs (x, weights, biases) and ``end``."""
+    leaves = {gate.linear.input, up.linear.input}
+    for lin in (gate.linear, up.linear, down):
+        leaves |= {lin.weight} | ({lin.bias} if lin.bias is not None else set())
+    region, todo = set(), [end]
+    while todo:
+        n = todo.pop()
+        if n in region or n in leaves:
+            continue
+        region.add(n)
+        if n.op not in ("placeholder", "get_attr"):
+            todo += G.tensor_args(n)
+    return frozenset(region)
+
+
+# ----------------------------------------------------------------------------------------------------- check
+
+
+def check_same_input(m: GatedMLP) -> str | None:
+    if m.gate.linear.input is not m.up.linear.input:
+        return f"gate reads {m.gate.linear.input.name} but up reads {m.up.linear.input.name} (must be the same x)"
+    return None
+
+
+def check_weights_are_inputs(m: GatedMLP) -> str | None:
+    for role, lin in (("gate", m.gate.linear), ("up", m.up.linear), ("down", m.down)):
+        for kind, t in (("weight", lin.weight), ("bias", lin.bias)):
+            if t is not None and G.graph_input(t) is None:
+                return f"{role} {kind} {t.name} is computed in the graph, not a graph input (parameter)"
+    return None
+
+
+def check_inside_region(m: GatedMLP) -> str | None:
+    for n in m.region - {m.down.node}:
+        if n.op in ("placeholder", "get_attr"):
+            return f"{n.name} reached through the MLP is an input other than x and the weights"
+        if G.graph_input(n) is not None:
+            continue  # a view or cast of a weight (w.t()): not an intermediate, left alone if shared
+        outside = G.users_outside(n, m.region)
+        if outside:
+            return f"intermediate {n.name} is also used outside the MLP (by {', '.join(u.name for u in outside)})"
+    return None
+
+
+def check_shapes(m: GatedMLP) -> str | None:
+    x, g, u, h, y = (G.shape(n) for n in (m.x, m.gate.node, m.up.node, m.mul, m.down.node))
+    wg, wu, wd = (G.shape(lin.weight) for lin in (m.gate.linear, m.up.linear, m.down))
+    if None in (x, g, u, h, y, wg, wu, wd):
+        return "missing example values (shapes unknown)"
+    if not (_same(g, u) and _same(g, h)):
+        return f"gate {list(g)} and up {list(u)} outputs differ from their product {list(h)} (broadcasting)"
+    inter = _rows(m.gate)
+    if _rows(m.up) != inter or not _same(wg[1:], wu[1:]) or not _same(wd[1:], (inter,)):
+        return f"weights do not chain: gate {list(wg)}, up {list(wu)}, down {list(wd)}"
+    if not _same(x[-1:], wg[1:]) or not _same(y[:-1], x[:-1]) or not _same(y[-1:], wd[:1]):
+        return f"x {list(x)} -> out {list(y)} does not fit weights gate {list(wg)}, down {list(wd)}"
+    return None
+
+
+def check_dtypes(m: GatedMLP) -> str | None:
+    inner = {G.dtype(n) for n in (m.gate.node, m.up.node, m.act.node, m.mul, m.down.node)}
+    if len(inner) != 1 or None in inner:
+        return f"mixed dtypes inside the MLP ({', '.join(sorted(str(d) for d in inner))}): casts the op would drop"
+    compute = inner.pop()
+    if not compute.is_floating_point:
+        return f"compute dtype {compute} is not floating point"
+    inputs = [m.x] + [t for lin in (m.gate.linear, m.up.linear, m.down) for t in (lin.weight, lin.bias) if t]
+    if any(not (G.dtype(t) or torch.int64).is_floating_point for t in inputs):
+        return "an input of the MLP is not a floating-point tensor"
+    return None
+
+
+def check_no_autocast_edge(m: GatedMLP, order: dict[fx.Node, int], markers: list[int]) -> str | None:
+    lo, hi = min(order[n] for n in m.region), order[m.down.node]
+    if any(lo <= i <= hi for i in markers):
+        return "an autocast block starts or ends inside the MLP (its linears would run in different dtypes)"
+    return None
+
+
+def check_min_tokens(m: GatedMLP, min_tokens: int) -> str | None:
+    tokens = _tokens(m.x)
+    if min_tokens and tokens is not None and tokens < min_tokens:
+        return f"{tokens} tokens < mlp_min_tokens={min_tokens}: tiling would only cost time (0 tiles everything)"
+    return None
+
+
+def _tokens(x: fx.Node) -> int | None:
+    sizes = [G.hint(s) for s in (G.shape(x) or ())[:-1]]
+    return None if None in sizes else math.prod(sizes)
+
+
+def _rows(p: Projection) -> int | None:
+    if p.sliced:
+        return p.stop - p.start
+    return G.hint(G.shape(p.linear.weight)[0])
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(G.hint(i) == G.hint(j) and G.hint(i) is not None for i, j in zip(a, b))
+
+
+# --------------------------------------------------------------------------------------------------- rewrite
+
+
+def rewrite(gm: fx.GraphModule, m: GatedMLP, ctx: PassContext) -> R.Rewrite:
+    graph, end = gm.graph, m.down.node
+    compute = G.dtype(end)
+    fake_mode = getattr(G.example_value(end), "fake_mode", None) or contextlib.nullcontext()
+    stack = _common_stack(m.region)
+    new_nodes: list[fx.Node] = []
+
+    def add(target, *args, method: bool = False, **kwargs) -> fx.Node:
+        node = (graph.call_method if method else graph.call_function)(target, args, kwargs)
+        new_nodes.append(node)
+        return node
+
+    def operand(t: fx.Node | None, rows: tuple[int, int] | None = None) -> fx.Node | None:
+        if t is None:
+            return None
+        value = G.example_value(t)
+        with fake_mode:  # the graph's own mode (the tracing context may hold another)
+            if rows is not None:
+                t = add(operator.getitem, t, slice(*rows))
+                value = value[slice(*rows)]
+                expect(t, value)
+            if value.dtype != compute:
+                t = add("to", t, method=True, dtype=compute)
+                value = value.to(compute)
+                expect(t, value)
+        return t
+
+    with graph.inserting_before(end):
+        x = operand(m.x)
+        weights = []
+        for p in (m.gate, m.up):
+            rows = (p.start, p.stop) if p.sliced else None
+            weights += [operand(p.linear.weight, rows), operand(p.linear.bias, rows)]
+        weights += [operand(m.down.weight), operand(m.down.bias)]
+        s = ctx.settings
+        tiled = add(
+            torch.ops.tilecompile.tiled_gated_mlp.default,
+            x,
+            *weights,
+            m.act.kind,
+            s.mlp_chunk_tokens,
+            s.mlp_chunk_budget_mb,
+            s.mlp_grad_accum,
+        )
+    for node in new_nodes:
+        if stack:
+            node.meta["nn_module_stack"] = dict(stack)
+        if "stack_trace" in end.meta:
+            node.meta["stack_trace"] = end.meta["stack_trace"]
+    expect(tiled, G.example_value(end))
+    end.replace_all_uses_with(tiled)
+    _erase_dead(graph, m.region)
+    return _record(m, compute, s)
+
+
+def _erase_dead(graph: fx.Graph, nodes: frozenset[fx.Node]) -> None:
+    for node in reversed(list(graph.nodes)):  # users before producers
+        if node in nodes and not node.users:
+            graph.erase_node(node)
+
+
+def _common_stack(nodes: frozenset[fx.Node]) -> list[tuple[str, object]]:
+    stacks = [list(n.meta["nn_module_stack"].items()) for n in nodes if n.meta.get("nn_module_stack")]
+    if not stacks:
+        return []
+    common = stacks[0]
+    for other in stacks[1:]:
+        k = 0
+        while k < min(len(common), len(other)) and common[k][0] == other[k][0]:
+            k += 1
+        common = common[:k]
+    return common
+
+
+def _record(m: GatedMLP, compute: torch.dtype, s) -> R.Rewrite:
+    shapes = {"x": G.shape(m.x), "out": G.shape(m.down.node)}
+    for role, p in (("gate", m.gate), ("up", m.up)):
+        w = G.shape(p.linear.weight)
+        shapes[f"{role}_weight"] = (p.stop - p.start, *w[1:]) if p.sliced else w
+    shapes["down_weight"] = G.shape(m.down.weight)
+    if m.fused:
+        shapes["gate_up_weight"] = G.shape(m.gate.linear.weight)
+    shapes = {k: tuple(_size(i) for i in v) for k, v in shapes.items()}
+    dtypes = {"x": str(G.dtype(m.x)), "weight": str(G.dtype(m.down.weight)), "compute": str(compute)}
+    biases = [r for r, lin in (("gate", m.gate.linear), ("up", m.up.linear), ("down", m.down)) if lin.bias]
+    detail = (
+        f"activation={m.act.kind} fused={'gate_up' if m.fused else 'no'} bias={','.join(biases) or 'none'} "
+        f"chunk_tokens={s.mlp_chunk_tokens or 'auto'} budget_mb={s.mlp_chunk_budget_mb} grad_accum={s.mlp_grad_accum}"
+    )
+    if dtypes["x"] != dtypes["compute"] or dtypes["weight"] != dtypes["compute"]:
+        detail += f" autocast: inputs cast to {compute}"
+    return R.Rewrite(NAME, _path(m.region), shapes, dtypes, detail)
+
+
+def _size(s):
+    h = G.hint(s)
+    return s if h is None else h
+
+
+def _path(nodes) -> str:
+    return G.common_module_path(nodes)
+
+
+# ------------------------------------------------------------------------------------------------------- run
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    return PassResult()
+    result = PassResult()
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    markers = [i for n, i in order.items() if G.is_autocast_marker(n)]
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node not in order:
+            continue
+        m = match(node)
+        if m is None:
+            continue
+        reason = m if isinstance(m, str) else None
+        if reason is None:
+            checks = (
+                check_same_input,
+                check_weights_are_inputs,
+                check_inside_region,
+                check_shapes,
+                check_dtypes,
+                lambda m: check_no_autocast_edge(m, order, markers),
+                lambda m: check_min_tokens(m, ctx.settings.mlp_min_tokens),
+            )
+            reason = next((r for r in (c(m) for c in checks) if r), None)
+        if reason is not None:
+            path = G.module_path(node) if isinstance(m, str) else _path(m.region)
+            candidate = f"down projection {G.module_path(node) or node.name}"
+            result.skipped.append(R.Skip(NAME, candidate, path, reason))
+            continue
+        result.rewrites.append(rewrite(gm, m, ctx))
+        order.update({n: order[m.down.node] for n in gm.graph.nodes if n not in order})
+        changed = True
+    if changed:
+        gm.recompile()
+    return result
