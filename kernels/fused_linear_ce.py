@@ -29,8 +29,10 @@ try:
 except ImportError:  # CPU-only installs without Triton use the PyTorch epilogues
     HAS_TRITON = False
 
-# Bytes one [N, C] chunk of logits may take before C is cut (automatic chunking).
-CHUNK_BUDGET_BYTES = 160 * 2**20
+# Bytes one [N, C] chunk of logits may take before C is cut (automatic chunking). The backward gets more: each
+# chunk's dh GEMM reads and writes the fp32 [N, D] accumulator, so fewer chunks save that traffic.
+FWD_CHUNK_BUDGET_BYTES = 128 * 2**20
+BWD_CHUNK_BUDGET_BYTES = 256 * 2**20
 _MIN_CHUNK = 256
 _MAX_CHUNK = 32768
 
@@ -161,8 +163,15 @@ if HAS_TRITON:
             tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=cmask)
 
 
-def _block_c(n_cols: int) -> int:
-    return max(16, min(2048, 1 << (max(n_cols, 1) - 1).bit_length()))
+def _block_c(n_cols: int, cap: int) -> int:
+    return max(16, min(cap, 1 << (max(n_cols, 1) - 1).bit_length()))
+
+
+# The forward epilogue reduces each row (max, Σe, Σe·x): a whole chunk row in one tile keeps all its loads in
+# flight at once and does the three reductions once (tiles of 2048 made it latency-bound: 3x slower on H200).
+_FWD_BLOCK_CAP = 8192
+# The backward epilogue is elementwise per row (no reductions), so a modest tile streams at full bandwidth.
+_BWD_BLOCK_CAP = 2048
 
 
 def _triton_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignore_index, with_entropy, is_last):
@@ -170,11 +179,11 @@ def _triton_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignor
     n = z.shape[0]
     if n == 0:
         return
-    block = _block_c(z.shape[1])
+    block = _block_c(z.shape[1], _FWD_BLOCK_CAP)
     _fused_linear_ce_fwd_kernel[(n,)](
         z, labels, m, s, a, zy, logp, ent if ent is not None else logp, lse,
         z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
-        HAS_ENTROPY=with_entropy, IS_LAST=is_last, BLOCK_C=block, num_warps=8 if block >= 2048 else 4,
+        HAS_ENTROPY=with_entropy, IS_LAST=is_last, BLOCK_C=block, num_warps=min(16, max(4, block // 512)),
     )  # fmt: skip
 
 
@@ -182,7 +191,7 @@ def _triton_bwd_epilogue(z, labels, lse, ent, glp, gent, v_start, inv_t, ignore_
     n = z.shape[0]
     if n == 0:
         return
-    block = _block_c(z.shape[1])
+    block = _block_c(z.shape[1], _BWD_BLOCK_CAP)
     _fused_linear_ce_bwd_kernel[(n,)](
         z, labels, lse, ent if ent is not None else lse, glp if glp is not None else lse,
         gent if gent is not None else lse, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
@@ -235,11 +244,13 @@ def _torch_bwd_epilogue(z, labels, lse, ent, glp, gent, v_start, inv_t, ignore_i
     z.copy_(dz * inv_t)
 
 
-def chunk_size(n_rows: int, vocab: int, elem_bytes: int, requested: int = 0) -> int:
-    """Vocabulary columns per chunk: ``requested`` if > 0, else what keeps one [N, C] chunk in the budget."""
+def chunk_size(
+    n_rows: int, vocab: int, elem_bytes: int, requested: int = 0, budget: int = FWD_CHUNK_BUDGET_BYTES
+) -> int:
+    """Vocabulary columns per chunk: ``requested`` if > 0, else what keeps one [N, C] chunk within ``budget``."""
     if requested > 0:
         return max(1, min(requested, vocab))
-    c = CHUNK_BUDGET_BYTES // max(1, n_rows * elem_bytes)
+    c = budget // max(1, n_rows * elem_bytes)
     c = max(_MIN_CHUNK, min(_MAX_CHUNK, c // _MIN_CHUNK * _MIN_CHUNK))
     return max(1, min(c, vocab))
 
@@ -259,67 +270,6 @@ def _gemm_dtype(h: torch.Tensor, gemm_dtype: torch.dtype | None) -> torch.dtype:
     return h.dtype if h.is_cuda else torch.float32
 
 
-class _Pipeline:
-    """Two chunk buffers and a side stream: the epilogue of chunk i runs beside the main stream's GEMMs.
-
-    The GEMMs stay on the caller's stream; each epilogue waits for its chunk's GEMM (an event), and the main
-    stream waits for that epilogue only where it reads the result. Buffers are allocated on the main stream and
-    the main stream joins the side stream before they are freed, so the caching allocator never hands a buffer
-    back while the side stream still uses it. Works under CUDA graph capture (fork/join through events).
-    """
-
-    def __init__(self, n: int, c: int, dtype: torch.dtype, device: torch.device, overlap: bool):
-        self.overlap = overlap and device.type == "cuda"
-        self.bufs = [torch.empty(n * c, dtype=dtype, device=device) for _ in range(2 if self.overlap else 1)]
-        self.n = n
-        if self.overlap:
-            self.main = torch.cuda.current_stream(device)
-            self.side = _side_stream(device)
-            self.side.wait_stream(self.main)
-            self.done: list = [None, None]
-
-    def gemm(self, i: int, a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-        """z = a @ b_t written into buffer i % 2 (after the epilogue that last used it is done)."""
-        j = i % len(self.bufs)
-        if self.overlap and self.done[j] is not None:
-            self.main.wait_event(self.done[j])
-        z = self.bufs[j][: self.n * b_t.shape[1]].view(self.n, b_t.shape[1])
-        torch.mm(a, b_t, out=z)
-        return z
-
-    def epilogue(self, i: int, fn, *args) -> None:
-        if not self.overlap:
-            fn(*args)
-            return
-        ready = torch.cuda.Event()
-        ready.record(self.main)
-        with torch.cuda.stream(self.side):
-            self.side.wait_event(ready)
-            fn(*args)
-            done = torch.cuda.Event()
-            done.record(self.side)
-        self.done[i % 2] = done
-
-    def wait(self, i: int) -> None:
-        """The main stream waits for chunk i's epilogue."""
-        if self.overlap:
-            self.main.wait_event(self.done[i % 2])
-
-    def join(self) -> None:
-        if self.overlap:
-            self.main.wait_stream(self.side)
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device):
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
-    return _SIDE_STREAMS[key]
-
-
 def fused_linear_logprob_fwd(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -331,12 +281,11 @@ def fused_linear_logprob_fwd(
     chunk: int = 0,
     use_triton: bool | None = None,
     gemm_dtype: torch.dtype | None = None,
-    overlap: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward over vocabulary chunks. h [N, D], weight [V, D], labels [N] -> (logp, entropy or None, lse), fp32.
 
     No checks here (the op layer validates); labels outside [0, V) that are not ignore_index give a wrong logp
-    but never an out-of-bounds access. ``overlap`` runs epilogues on a side stream (CUDA only).
+    but never an out-of-bounds access.
     """
     n, v = h.shape[0], weight.shape[0]
     dev = h.device
@@ -344,7 +293,7 @@ def fused_linear_logprob_fwd(
     triton_path = _use_triton(h, use_triton)
     epilogue = _triton_fwd_epilogue if triton_path else _torch_fwd_epilogue
     hg = h if h.dtype == gdt else h.to(gdt)
-    c = chunk_size(n, v, torch.finfo(gdt).bits // 8, chunk)
+    c = chunk_size(n, v, torch.finfo(gdt).bits // 8, chunk, FWD_CHUNK_BUDGET_BYTES)
     logp = torch.empty(n, device=dev, dtype=torch.float32)
     lse = torch.empty(n, device=dev, dtype=torch.float32)
     ent = torch.empty(n, device=dev, dtype=torch.float32) if with_entropy else None
@@ -355,15 +304,16 @@ def fused_linear_logprob_fwd(
         torch.zeros(n, device=dev, dtype=torch.float32),
     )
     scalar_t = float(inv_t)
-    pipe = _Pipeline(n, c, gdt, dev, overlap)
-    for i, v0 in enumerate(range(0, v, c)):
+    # One chunk buffer for the whole loop: each chunk's logits land in it and (backward) become dz in place.
+    buf = torch.empty(n * c, dtype=gdt, device=dev)
+    for v0 in range(0, v, c):
         w_c = weight[v0 : v0 + c]
         if w_c.dtype != gdt:
             w_c = w_c.to(gdt)
-        z = pipe.gemm(i, hg, w_c.t())
-        args = (z, labels, state, logp, ent, lse, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v)
-        pipe.epilogue(i, epilogue, *args)
-    pipe.join()
+        z = buf[: n * w_c.shape[0]].view(n, w_c.shape[0])
+        torch.mm(hg, w_c.t(), out=z)
+        epilogue(z, labels, state, logp, ent, lse, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v)
+    del buf
     if v == 0:  # an empty vocabulary: logsumexp of nothing is -inf
         lse.fill_(float("-inf"))
         logp.fill_(float("nan"))
@@ -424,12 +374,10 @@ def fused_linear_logprob_bwd(
     chunk: int = 0,
     use_triton: bool | None = None,
     gemm_dtype: torch.dtype | None = None,
-    overlap: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward over vocabulary chunks: (dh [N, D] or None, dW [V, D] or None) in the input dtypes.
 
     grad_logp / grad_ent are [N] fp32 contiguous or None (None = zero). grad_ent needs ent.
-    With ``overlap`` the epilogue of chunk i+1 runs on a side stream beside the dW / dh GEMMs of chunk i.
     """
     n, d = h.shape
     v = weight.shape[0]
@@ -444,11 +392,17 @@ def fused_linear_logprob_bwd(
             dw.zero_()
         return (dh_acc.to(h.dtype) if dh_acc is not None else None), dw
     hg = h if h.dtype == gdt else h.to(gdt)
-    c = chunk_size(n, v, torch.finfo(gdt).bits // 8, chunk)
+    c = chunk_size(n, v, torch.finfo(gdt).bits // 8, chunk, BWD_CHUNK_BUDGET_BYTES)
     scalar_t = float(inv_t)
-    pipe = _Pipeline(n, c, gdt, dev, overlap)
-
-    def finish(z, w_c, v0):
+    # One chunk buffer for the whole loop: each chunk's logits land in it and (backward) become dz in place.
+    buf = torch.empty(n * c, dtype=gdt, device=dev)
+    for v0 in range(0, v, c):
+        w_c = weight[v0 : v0 + c]
+        if w_c.dtype != gdt:
+            w_c = w_c.to(gdt)
+        z = buf[: n * w_c.shape[0]].view(n, w_c.shape[0])
+        torch.mm(hg, w_c.t(), out=z)
+        epilogue(z, labels, lse, ent, grad_logp, grad_ent, v0, scalar_t, ignore_index)
         if dw is not None:
             if dw.dtype == gdt:
                 torch.mm(z.t(), hg, out=dw[v0 : v0 + c])
@@ -456,25 +410,7 @@ def fused_linear_logprob_bwd(
                 dw[v0 : v0 + c] = torch.mm(z.t(), hg)
         if dh_acc is not None:
             _addmm_fp32_(dh_acc, z, w_c)
-
-    pending = None
-    for i, v0 in enumerate(range(0, v, c)):
-        w_c = weight[v0 : v0 + c]
-        if w_c.dtype != gdt:
-            w_c = w_c.to(gdt)
-        z = pipe.gemm(i, hg, w_c.t())
-        pipe.epilogue(i, epilogue, z, labels, lse, ent, grad_logp, grad_ent, v0, scalar_t, ignore_index)
-        if pending is not None:
-            pipe.wait(i - 1)
-            finish(*pending)
-        pending = (z, w_c, v0)
-        if not pipe.overlap:
-            pending = None
-            finish(z, w_c, v0)
-    if pending is not None:
-        pipe.wait((v - 1) // c)
-        finish(*pending)
-    pipe.join()
+    del buf
     dh = dh_acc.to(h.dtype) if dh_acc is not None else None
     return dh, dw
 
@@ -493,7 +429,8 @@ def reference_logprob_entropy(
 
 
 __all__ = [
-    "CHUNK_BUDGET_BYTES",
+    "BWD_CHUNK_BUDGET_BYTES",
+    "FWD_CHUNK_BUDGET_BYTES",
     "HAS_TRITON",
     "chunk_size",
     "fused_linear_logprob_bwd",
