@@ -100,15 +100,19 @@ def match(node: fx.Node) -> GatedMLP | str | None:
     acts = [(G.as_activation(p), q) for p, q in ((a, b), (b, a))]
     if not any(act for act, _ in acts) and not any(as_projection(t) for t in (a, b)):
         return None  # e.g. an RMSNorm's weight * hidden feeding a linear
+    reasons = []
     for act, other in acts:
         if act is None:
             continue
         gate, up = as_projection(act.input), as_projection(other)
         if gate is None:
-            return f"the activation's input {act.input.name} is not a linear (gate projection)"
-        if up is None:
-            return f"the factor {other.name} beside {act.kind}(gate) is not a linear (up projection)"
-        return GatedMLP(down, h, act, gate, up, _region(node, down, gate, up))
+            reasons.append(f"the activation's input {act.input.name} is not a linear (gate projection)")
+        elif up is None:
+            reasons.append(f"the factor {other.name} beside {act.kind}(gate) is not a linear (up projection)")
+        else:
+            return GatedMLP(down, h, act, gate, up, _region(node, down, gate, up))
+    if reasons:
+        return reasons[0]
     kinds = ", ".join(str(G.op(t) or t.op) for t in (a, b))
     return f"gate multiply of ({kinds}): neither factor is {'/'.join(ACTIVATIONS)} of a linear"
 
@@ -221,7 +225,8 @@ def _rows(p: Projection) -> int | None:
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(G.hint(i) == G.hint(j) and G.hint(i) is not None for i, j in zip(a, b))
+    """Equal sizes: the same int, or the same symbolic expression (not merely equal hints)."""
+    return len(a) == len(b) and all(str(i) == str(j) for i, j in zip(a, b))
 
 
 # --------------------------------------------------------------------------------------------------- rewrite

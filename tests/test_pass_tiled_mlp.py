@@ -276,6 +276,38 @@ def test_cpu_bf16_and_autocast_match_eager(mode):
     assert ("autocast" in r.detail) == (mode == "autocast"), r.detail
 
 
+class AutocastInside(torch.nn.Module):
+    """``torch.autocast`` inside the compiled code: Dynamo puts _enter/_exit_autocast nodes in the graph."""
+
+    def __init__(self, nested: bool) -> None:
+        super().__init__()
+        self.nested = nested
+        self.mlp = MLP("silu")
+
+    def forward(self, x):
+        m = self.mlp
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            g, u = m.gate_proj(x), m.up_proj(x)
+            if self.nested:
+                with torch.autocast("cpu", enabled=False):
+                    a = F.silu(g)
+            else:
+                a = F.silu(g)
+            return m.down_proj(a * u).float()
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["block", "edge_inside"])
+def test_autocast_block_in_graph(nested):
+    _check_against_eager(AutocastInside(nested), torch.randn(2, 5, D), rtol=2e-2, atol=2e-2)
+    if nested:
+        assert not _rewrites()
+        (s,) = _skips()
+        assert "autocast block starts or ends inside the MLP" in s.reason, s
+    else:
+        (r,) = _rewrites()
+        assert r.dtypes["compute"] == "torch.bfloat16" and "autocast" in r.detail, r
+
+
 # ----------------------------------------------------------------------------------------------- near-misses
 
 
