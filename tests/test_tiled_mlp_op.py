@@ -106,6 +106,32 @@ def test_error_vs_float64_no_worse_than_eager(dtype):
         assert rel_err(g, r) <= 1.5 * rel_err(g_ref, r) + slack
 
 
+def test_random_shapes_float64():
+    """hypothesis: any token count, widths, chunk size (0 = from the budget), activation and bias pattern."""
+    hyp = pytest.importorskip("hypothesis")
+    st = hyp.strategies
+
+    @hyp.given(
+        n=st.integers(0, 200),
+        d=st.integers(1, 24),
+        i=st.integers(1, 48),
+        d_out=st.integers(1, 24),
+        chunk=st.sampled_from([0, 13, 64, 150]),
+        activation=st.sampled_from(ACTIVATIONS),
+        biases=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+    )
+    def check(n, d, i, d_out, chunk, activation, biases):
+        x = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
+        wg, wu, wd, bg, bu, bd = make_params(d, i, d_out, bias=True, dtype=torch.float64)
+        bg, bu, bd = (b if keep else None for b, keep in zip((bg, bu, bd), biases))
+        y, grads, y_ref, grads_ref = run_both(x, [wg, wu, wd, bg, bu, bd], activation, chunk_tokens=chunk)
+        assert_close(y, y_ref, rtol=1e-10, atol=1e-10, name="out")
+        for g, r in zip(grads, grads_ref):
+            assert_close(g, r, rtol=1e-10, atol=1e-10, name="grad")
+
+    check()
+
+
 def test_bsd_layout_and_other_out_dim():
     b, t, d, i, d_out = 3, 37, 32, 80, 20  # 111 tokens, chunk 64; down maps to a different width
     x = torch.randn(b, t, d, requires_grad=True)
