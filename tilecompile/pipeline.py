@@ -116,9 +116,12 @@ def check_rewritten_nodes(gm: fx.GraphModule) -> None:
             continue
         expected = node.meta.pop(_EXPECTED)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: G.example_value(n))
-        fake_mode = torch._guards.detect_fake_mode(_flat_tensors((args, kwargs, expected)))
-        if fake_mode is None:
-            raise PassFailed(f"no fake tensors to check {node.format_node()}")
+        # The mode the example values belong to: under Dynamo the tracing context may hold a different one (the
+        # backend's), and fake tensors of two modes cannot be mixed.
+        modes = {id(t.fake_mode): t.fake_mode for t in _flat_tensors((args, kwargs, expected)) if _is_fake(t)}
+        if len(modes) != 1:
+            raise PassFailed(f"cannot check {node.format_node()}: its inputs carry {len(modes)} fake modes")
+        (fake_mode,) = modes.values()
         with fake_mode:
             if node.op == "call_function":
                 actual = node.target(*args, **kwargs)
@@ -134,6 +137,10 @@ def check_rewritten_nodes(gm: fx.GraphModule) -> None:
                 if _EXPECTED in user.meta:
                     _compare(user, item, user.meta.pop(_EXPECTED))
                 user.meta["example_value"] = item
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
 
 
 def _flat_tensors(tree: Any) -> list[torch.Tensor]:
