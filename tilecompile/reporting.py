@@ -68,8 +68,8 @@ class Report:
             lines.append("rewritten:")
             rows = [("pass", "module", "shapes", "dtypes")]
             for r in self.rewrites:
-                shapes = ", ".join(f"{k}={list(v)}" for k, v in r.shapes.items())
-                dtypes = ", ".join(f"{k}={v}" for k, v in r.dtypes.items())
+                shapes = " ".join(f"{k}={_dims(v)}" for k, v in r.shapes.items())
+                dtypes = " ".join(f"{k}={str(v).removeprefix('torch.')}" for k, v in r.dtypes.items())
                 rows.append((r.pass_name, r.module_path or "<root>", shapes, dtypes))
             lines += _table(rows)
         if self.skipped:
@@ -83,6 +83,10 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _dims(shape: Any) -> str:
+    return "[" + ",".join(str(s) for s in shape) + "]" if isinstance(shape, tuple | list) else str(shape)
 
 
 def _table(rows: list[tuple[Any, ...]]) -> list[str]:
