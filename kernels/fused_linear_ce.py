@@ -39,6 +39,22 @@ _MAX_CHUNK = 32768
 if HAS_TRITON:
 
     @triton.jit
+    def _online_update(x, m, s, a):
+        """Fold one tile x (fp32, masked entries -inf) into the running (max m, Σe, Σe·(x - m)) of a row."""
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        # A row that has seen nothing yet keeps m = -inf; shift by 0 instead (avoids -inf - -inf = nan).
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_ref)
+        shift = tl.where(m == float("-inf"), 0.0, m - m_ref)
+        # Σe·(x - m) is kept relative to the running max, so rescaling it needs the shift times Σe.
+        a = alpha * (a + shift * s)
+        s = alpha * s
+        e = tl.exp(x - m_ref)
+        s += tl.sum(e, axis=0)
+        a += tl.sum(tl.where(e > 0.0, e * (x - m_ref), 0.0), axis=0)
+        return m_new, s, a
+
+    @triton.jit
     def _fused_linear_ce_fwd_kernel(
         z_ptr,
         labels_ptr,
@@ -49,6 +65,7 @@ if HAS_TRITON:
         logp_ptr,
         ent_ptr,
         lse_ptr,
+        n_rows,
         n_cols,
         v_start,
         stride_zn,
@@ -56,57 +73,53 @@ if HAS_TRITON:
         ignore_index,
         HAS_ENTROPY: tl.constexpr,
         IS_LAST: tl.constexpr,
+        SINGLE_TILE: tl.constexpr,
         BLOCK_C: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        label = tl.load(labels_ptr + row).to(tl.int64)
-        active = label != ignore_index
-        # Without entropy an ignored row needs nothing: all its loads are masked off (no traffic, no host sync).
-        if HAS_ENTROPY:
-            row_on = label == label
-        else:
-            row_on = active
-        m = tl.load(m_ptr + row)
-        s = tl.load(s_ptr + row)
-        a = tl.load(a_ptr + row)
-        z_row = z_ptr + row * stride_zn
+        # Persistent over rows: with a software-pipelined row loop the next row's load is in flight while this
+        # row is reduced (one program per row left the SMs waiting on load latency between reductions).
         offs = tl.arange(0, BLOCK_C)
-        # Columns this row reads: none at all when the row is off.
-        n_load = tl.where(row_on, n_cols, 0)
-        for c0 in range(0, n_cols, BLOCK_C):
-            cols = c0 + offs
-            mask = cols < n_load
-            # The vocabulary tail is masked to -inf so it adds exp(-inf) = 0 to every sum.
-            x = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            # A row that has seen nothing yet keeps m = -inf; shift by 0 instead (avoids -inf - -inf = nan).
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_ref)
-            shift = tl.where(m == float("-inf"), 0.0, m - m_ref)
-            # Σe·(x - m) is kept relative to the running max, so rescaling it needs the shift times Σe.
-            a = alpha * (a + shift * s)
-            s = alpha * s
-            e = tl.exp(x - m_ref)
-            s += tl.sum(e, axis=0)
-            a += tl.sum(tl.where(e > 0.0, e * (x - m_ref), 0.0), axis=0)
-            m = m_new
-        y_local = label - v_start
-        hit = active & (y_local >= 0) & (y_local < n_cols)
-        zy_new = tl.load(z_row + y_local, mask=hit, other=0.0).to(tl.float32) * inv_t
-        zy = tl.where(hit, zy_new, tl.load(zy_ptr + row))
-        if IS_LAST:
-            log_s = tl.log(s)
-            lse = m + log_s
-            tl.store(logp_ptr + row, tl.where(active, zy - lse, 0.0))
-            tl.store(lse_ptr + row, tl.where(row_on, lse, 0.0))
+        for row_i in tl.range(tl.program_id(0), n_rows, tl.num_programs(0), num_stages=NUM_STAGES):
+            row = tl.cast(row_i, tl.int64)
+            label = tl.load(labels_ptr + row).to(tl.int64)
+            active = label != ignore_index
+            # Without entropy an ignored row needs nothing: all its loads are masked off (no traffic, no sync).
             if HAS_ENTROPY:
-                # H = lse - Σ p·x = log Σe - Σe·(x - m) / Σe
-                tl.store(ent_ptr + row, log_s - a / s)
-        else:
-            tl.store(m_ptr + row, m)
-            tl.store(s_ptr + row, s)
-            tl.store(a_ptr + row, a)
-            tl.store(zy_ptr + row, zy)
+                row_on = label == label
+            else:
+                row_on = active
+            n_load = tl.where(row_on, n_cols, 0)
+            m = tl.load(m_ptr + row)
+            s = tl.load(s_ptr + row)
+            a = tl.load(a_ptr + row)
+            z_row = z_ptr + row * stride_zn
+            # The vocabulary tail is masked to -inf so it adds exp(-inf) = 0 to every sum.
+            if SINGLE_TILE:
+                x = tl.load(z_row + offs, mask=offs < n_load, other=float("-inf")).to(tl.float32) * inv_t
+                m, s, a = _online_update(x, m, s, a)
+            else:
+                for c0 in range(0, n_cols, BLOCK_C):
+                    cols = c0 + offs
+                    x = tl.load(z_row + cols, mask=cols < n_load, other=float("-inf")).to(tl.float32) * inv_t
+                    m, s, a = _online_update(x, m, s, a)
+            y_local = label - v_start
+            hit = active & (y_local >= 0) & (y_local < n_cols)
+            zy_new = tl.load(z_row + y_local, mask=hit, other=0.0).to(tl.float32) * inv_t
+            zy = tl.where(hit, zy_new, tl.load(zy_ptr + row))
+            if IS_LAST:
+                log_s = tl.log(s)
+                lse = m + log_s
+                tl.store(logp_ptr + row, tl.where(active, zy - lse, 0.0))
+                tl.store(lse_ptr + row, tl.where(row_on, lse, 0.0))
+                if HAS_ENTROPY:
+                    # H = lse - Σ p·x = log Σe - Σe·(x - m) / Σe
+                    tl.store(ent_ptr + row, log_s - a / s)
+            else:
+                tl.store(m_ptr + row, m)
+                tl.store(s_ptr + row, s)
+                tl.store(a_ptr + row, a)
+                tl.store(zy_ptr + row, zy)
 
     @triton.jit
     def _fused_linear_ce_bwd_kernel(
@@ -170,8 +183,22 @@ def _block_c(n_cols: int, cap: int) -> int:
 # The forward epilogue reduces each row (max, Σe, Σe·x): a whole chunk row in one tile keeps all its loads in
 # flight at once and does the three reductions once (tiles of 2048 made it latency-bound: 3x slower on H200).
 _FWD_BLOCK_CAP = 8192
+# Row-loop pipeline depth of the forward epilogue (Triton's softmax tutorial uses the same persistent layout).
+_FWD_STAGES = 2
 # The backward epilogue is elementwise per row (no reductions), so a modest tile streams at full bandwidth.
 _BWD_BLOCK_CAP = 2048
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, each looping over rows
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SMS[key]
 
 
 def _triton_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignore_index, with_entropy, is_last):
@@ -180,10 +207,13 @@ def _triton_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignor
     if n == 0:
         return
     block = _block_c(z.shape[1], _FWD_BLOCK_CAP)
-    _fused_linear_ce_fwd_kernel[(n,)](
+    warps = min(16, max(4, block // 512))
+    grid = min(n, _num_sms(z.device) * max(1, 32 // warps))
+    _fused_linear_ce_fwd_kernel[(grid,)](
         z, labels, m, s, a, zy, logp, ent if ent is not None else logp, lse,
-        z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
-        HAS_ENTROPY=with_entropy, IS_LAST=is_last, BLOCK_C=block, num_warps=min(16, max(4, block // 512)),
+        n, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
+        HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, BLOCK_C=block,
+        NUM_STAGES=_FWD_STAGES, num_warps=warps,
     )  # fmt: skip
 
 
@@ -306,6 +336,7 @@ def fused_linear_logprob_fwd(
     scalar_t = float(inv_t)
     # One chunk buffer for the whole loop: each chunk's logits land in it and (backward) become dz in place.
     buf = torch.empty(n * c, dtype=gdt, device=dev)
+    z = None
     for v0 in range(0, v, c):
         w_c = weight[v0 : v0 + c]
         if w_c.dtype != gdt:
@@ -313,7 +344,7 @@ def fused_linear_logprob_fwd(
         z = buf[: n * w_c.shape[0]].view(n, w_c.shape[0])
         torch.mm(hg, w_c.t(), out=z)
         epilogue(z, labels, state, logp, ent, lse, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v)
-    del buf
+    del buf, z  # z is a view of buf: both must go before the caller allocates more
     if v == 0:  # an empty vocabulary: logsumexp of nothing is -inf
         lse.fill_(float("-inf"))
         logp.fill_(float("nan"))
@@ -396,6 +427,7 @@ def fused_linear_logprob_bwd(
     scalar_t = float(inv_t)
     # One chunk buffer for the whole loop: each chunk's logits land in it and (backward) become dz in place.
     buf = torch.empty(n * c, dtype=gdt, device=dev)
+    z = None
     for v0 in range(0, v, c):
         w_c = weight[v0 : v0 + c]
         if w_c.dtype != gdt:
@@ -410,7 +442,7 @@ def fused_linear_logprob_bwd(
                 dw[v0 : v0 + c] = torch.mm(z.t(), hg)
         if dh_acc is not None:
             _addmm_fp32_(dh_acc, z, w_c)
-    del buf
+    del buf, z  # z is a view of buf: both must go before the caller allocates more
     dh = dh_acc.to(h.dtype) if dh_acc is not None else None
     return dh, dw
 
