@@ -3,8 +3,8 @@
 Methods: eager PyTorch, Inductor (torch.compile of the same module), torch.utils.checkpoint around the MLP,
 Liger's tiled MLP (DeepSpeed ALST algorithm; only when liger_kernel imports), and the tilecompile op
 (``torch.ops.tilecompile.tiled_gated_mlp``) with fp32 and with param-dtype weight-grad accumulation.
-Extra tilecompile rows at the main shape: the PyTorch elementwise path instead of the fused Triton kernels, and a
-larger chunk budget.
+Extra tilecompile rows at the main shape: the PyTorch elementwise path instead of the fused Triton kernels, the
+backward without tiling over parts of I ("1part"), and other chunk budgets.
 
 FLOPs (model, recompute not counted, same for every method): forward 3 GEMMs of 2·N·D·I, backward 6 → 18·N·D·I.
 Time: median of ``--reps`` fwd+bwd steps timed with CUDA events, after warm-up (which includes compilation).
@@ -69,7 +69,9 @@ def methods_for(mlp: SwiGLU, main_shape: bool) -> dict:
     methods["tilecompile-fp32"] = tilecompile_fn(mlp, grad_accum="fp32")
     methods["tilecompile-param"] = tilecompile_fn(mlp, grad_accum="param")
     if main_shape:
-        methods["tilecompile-fp32-torch-ew"] = ("no-triton", tilecompile_fn(mlp, grad_accum="fp32"))
+        methods["tilecompile-fp32-torch-ew"] = ({"USE_TRITON": False}, tilecompile_fn(mlp, grad_accum="fp32"))
+        methods["tilecompile-fp32-1part"] = ({"_MAX_I_PARTS": 1}, tilecompile_fn(mlp, grad_accum="fp32"))
+        methods["tilecompile-param-1part"] = ({"_MAX_I_PARTS": 1}, tilecompile_fn(mlp, grad_accum="param"))
         methods["tilecompile-fp32-512mb"] = tilecompile_fn(mlp, grad_accum="fp32", budget_mb=512)
         methods["tilecompile-param-128mb"] = tilecompile_fn(mlp, grad_accum="param", budget_mb=128)
     return methods
@@ -126,10 +128,12 @@ def bench_shape(n: int, d: int, i: int, reps: int, main_shape: bool, device: str
     flops = 18 * n * d * i
     rows, refs = [], {}
     for name, fn in methods_for(mlp, main_shape).items():
-        use_triton = True
-        if isinstance(fn, tuple):
-            use_triton, fn = fn[0] != "no-triton", fn[1]
-        tiled_mlp.USE_TRITON = use_triton
+        settings = {}
+        if isinstance(fn, tuple):  # (module settings of tiled_mlp for this row, fn)
+            settings, fn = fn
+        saved = {k: getattr(tiled_mlp, k) for k in settings}
+        for k, v in settings.items():
+            setattr(tiled_mlp, k, v)
         row = {"method": name, "n": n, "d": d, "i": i, "dtype": "bfloat16"}
 
         def clear():
@@ -170,7 +174,8 @@ def bench_shape(n: int, d: int, i: int, reps: int, main_shape: bool, device: str
             row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
             traceback.print_exc(limit=3)
         finally:
-            tiled_mlp.USE_TRITON = True
+            for k, v in saved.items():
+                setattr(tiled_mlp, k, v)
         clear()
         mem.empty_cache()
         rows.append(row)

@@ -132,6 +132,34 @@ def test_random_shapes_float64():
     check()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("grad_accum", ["fp32", "param"])
+def test_backward_tiles_over_parts_of_intermediate(dtype, grad_accum, monkeypatch):
+    """Several [parts * chunk, I / parts] tiles (I = 43 in 4 uneven parts), with every grad needed."""
+    from tilecompile.ops import tiled_mlp
+
+    monkeypatch.setattr(tiled_mlp, "_MIN_I_PART", 8)
+    n, d, i = 300, 24, 43
+    assert tiled_mlp._intermediate_parts(n, i, 64) == 4
+    x64 = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
+    p64 = make_params(d, i, bias=True, dtype=torch.float64)
+    _, g64, _, _ = run_both(x64, p64, "silu", chunk_tokens=64, grad_accum=grad_accum)  # tiled, float64
+    monkeypatch.setattr(tiled_mlp, "_MIN_I_PART", 1024)  # one part: the plain chunked backward
+    _, g64_plain, _, g64_eager = run_both(x64, p64, "silu", chunk_tokens=64, grad_accum=grad_accum)
+    for g, r, e in zip(g64, g64_plain, g64_eager):
+        assert_close(g, r, rtol=1e-12, atol=1e-12)
+        assert_close(g, e, rtol=1e-12, atol=1e-12)
+    if dtype == torch.float64:
+        return
+    monkeypatch.setattr(tiled_mlp, "_MIN_I_PART", 8)
+    x = x64.detach().to(dtype).requires_grad_()
+    p = [q.detach().to(dtype).requires_grad_() for q in p64]
+    _, grads, _, grads_ref = run_both(x, p, "silu", chunk_tokens=64, grad_accum=grad_accum)
+    slack = 1e-3 if grad_accum == "fp32" else 2e-2
+    for g, r, e in zip(grads, g64_eager, grads_ref):
+        assert rel_err(g, r) <= 1.5 * rel_err(e, r) + slack
+
+
 def test_bsd_layout_and_other_out_dim():
     b, t, d, i, d_out = 3, 37, 32, 80, 20  # 111 tokens, chunk 64; down maps to a different width
     x = torch.randn(b, t, d, requires_grad=True)
@@ -260,6 +288,7 @@ _TRITON_WORKER = textwrap.dedent(
     from tilecompile.ops import tiled_mlp
 
     tiled_mlp._TRITON_ON_CPU = True
+    tiled_mlp._MIN_I_PART = 16  # backward tiles over 2 parts of I
     torch.manual_seed(0)
     n, d, i = 130, 16, 40
     for activation in tiled_mlp.ACTIVATIONS:
@@ -475,10 +504,12 @@ def test_ddp_gloo_matches_single_process(tmp_path):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("grad_accum", ["fp32", "param"])
 @pytest.mark.parametrize("use_triton", [True, False])
-def test_gpu_bf16_vs_float64(activation, grad_accum, use_triton, monkeypatch):
+@pytest.mark.parametrize("min_i_part", [1024, 128])
+def test_gpu_bf16_vs_float64(activation, grad_accum, use_triton, min_i_part, monkeypatch):
     from tilecompile.ops import tiled_mlp
 
     monkeypatch.setattr(tiled_mlp, "USE_TRITON", use_triton)
+    monkeypatch.setattr(tiled_mlp, "_MIN_I_PART", min_i_part)  # 128: the backward tiles I in 4 parts
     n, d, i = 4099, 256, 704
     x64 = torch.randn(n, d, dtype=torch.float64, device="cuda", requires_grad=True)
     p64 = [

@@ -108,7 +108,8 @@ _BLOCK = 2048
 
 
 def _use_triton(t: Tensor) -> bool:
-    return triton is not None and USE_TRITON and (t.is_cuda or _TRITON_ON_CPU)
+    fits = t.dtype in (torch.float32, torch.float16, torch.bfloat16)  # the kernels compute in fp32: not for fp64
+    return triton is not None and USE_TRITON and fits and (t.is_cuda or _TRITON_ON_CPU)
 
 
 if triton is not None:
@@ -368,6 +369,33 @@ def _(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# backward tiling over the intermediate dimension
+
+_MAX_I_PARTS = 4  # the backward splits I into at most this many parts ...
+_MIN_I_PART = 1024  # ... each at least this wide, so the GEMMs stay large
+
+
+def _intermediate_parts(tokens: int, intermediate: int, chunk: int) -> int:
+    """How many parts of I the backward tiles over (1 when one chunk holds all tokens)."""
+    return max(1, min(_MAX_I_PARTS, -(-tokens // chunk), intermediate // _MIN_I_PART))
+
+
+def _tile(buf: Tensor | None, rows: int, cols: int) -> Tensor | None:
+    """A contiguous [rows, cols] view at the start of a flat buffer."""
+    return None if buf is None else buf[: rows * cols].view(rows, cols)
+
+
+def _dx_add(dx_tile: Tensor, a: Tensor, w: Tensor, *, first: bool) -> None:
+    """dx_tile (+)= a @ w; the first product of a tile overwrites."""
+    if first and dx_tile.dtype == a.dtype:
+        torch.mm(a, w, out=dx_tile)
+        return
+    if first:
+        dx_tile.zero_()
+    _accumulate_mm(dx_tile, a, w)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # backward op
 #
 # needs_grad = [x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias]; a grad that is not needed
@@ -438,33 +466,28 @@ def _tiled_gated_mlp_backward_op(
     need_dh = need_du or need_dg
     if n > 0 and (need_wd or need_dh or need_bd):
         dx2 = dx.view(-1, d) if dx is not None else None
+        # Tiles of [parts * chunk tokens, I / parts]: the same intermediate bytes as [chunk, I], but the weight-grad
+        # accumulators are read and written once per tile row of tokens, so `parts` times less often.
         chunk = min(_chunk_for(x2, i, chunk_tokens, budget_mb), n)
+        parts = _intermediate_parts(n, i, chunk)
+        chunk = min(chunk * parts, n)
+        width = -(-i // parts)
+        bounds = [(lo, min(lo + width, i)) for lo in range(0, i, width)]
         recompute = need_wd or need_dh
         fused = _use_triton(x2)
         need_u = need_wd or need_dg  # the up projection itself
-        g_buf = x2.new_empty((chunk, i)) if recompute else None
-        u_buf = x2.new_empty((chunk, i)) if (need_u or (fused and need_du)) else None
-        t_buf = x2.new_empty((chunk, i)) if (not fused and (need_wd or need_du)) else None
-        dh_buf = x2.new_empty((chunk, i)) if need_dh else None
 
-        def use_h(h: Tensor, dyc: Tensor) -> None:
-            _accumulate_mm(acc_wd, dyc.t(), h)
+        def buffer(wanted: bool) -> Tensor | None:
+            return x2.new_empty((chunk * width,)) if wanted else None
 
-        def use_du(du: Tensor, xc: Tensor, s: int, e: int) -> None:
-            if need_wu:
-                _accumulate_mm(acc_wu, du.t(), xc)
-            if need_bu:
-                _accumulate_sum(acc_bu, du)
-            if need_x:
-                torch.mm(du, up_weight, out=dx2[s:e])
-
-        def use_dg(dg: Tensor, xc: Tensor, s: int, e: int) -> None:
-            if need_wg:
-                _accumulate_mm(acc_wg, dg.t(), xc)
-            if need_bg:
-                _accumulate_sum(acc_bg, dg)
-            if need_x:  # need_x implies need_du, so dx2[s:e] already holds du Wu
-                dx2[s:e].addmm_(dg, gate_weight)
+        g_buf = buffer(recompute)
+        u_buf = buffer(need_u or (fused and need_du))
+        t_buf = buffer(not fused and (need_wd or need_du))
+        dh_buf = buffer(need_dh)
+        # dx sums 2 * parts products per tile: in fp32 (unless grad_accum="param") when there is more than one part
+        dx_acc = None
+        if need_x and parts > 1 and grad_accum == "fp32" and cdt != acc_dtype(x):
+            dx_acc = torch.empty((chunk, d), device=x.device, dtype=acc_dtype(x))
 
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
@@ -474,28 +497,43 @@ def _tiled_gated_mlp_backward_op(
                 _accumulate_sum(acc_bd, dyc)
             if not recompute:
                 continue
-            g = _linear_into(xc, gate_weight, gate_bias, g_buf[:rows])
-            u = u_buf[:rows] if u_buf is not None else None
-            if need_u:
-                _linear_into(xc, up_weight, up_bias, u)
-            dh = torch.mm(dyc, down_weight, out=dh_buf[:rows]) if need_dh else None
-            if fused:
-                # one kernel: g <- h, u <- du, dh <- dg
-                _fused_act_backward_(g, u, dh, activation, need_wd, need_du, need_dg)
+            dx_tile = None if not need_x else (dx_acc[:rows] if dx_acc is not None else dx2[s:e])
+            for k, (lo, hi) in enumerate(bounds):
+                wg_k, wu_k = gate_weight[lo:hi], up_weight[lo:hi]
+                g, u, dh, t = (_tile(b, rows, hi - lo) for b in (g_buf, u_buf, dh_buf, t_buf))
+                _linear_into(xc, wg_k, gate_bias[lo:hi] if gate_bias is not None else None, g)
+                if need_u:
+                    _linear_into(xc, wu_k, up_bias[lo:hi] if up_bias is not None else None, u)
+                if need_dh:
+                    torch.mm(dyc, down_weight[:, lo:hi], out=dh)
+                if fused:  # one kernel: g <- h, u <- du, dh <- dg
+                    _fused_act_backward_(g, u, dh, activation, need_wd, need_du, need_dg)
+                    h, du, dg = g, u, dh
                 if need_wd:
-                    use_h(g, dyc)
+                    if not fused:
+                        h = _act_into(g, t, activation).mul_(u)
+                    _accumulate_mm(acc_wd[:, lo:hi], dyc.t(), h)
                 if need_du:
-                    use_du(u, xc, s, e)
+                    if not fused:
+                        du = _act_into(g, t, activation).mul_(dh)
+                    if need_wu:
+                        _accumulate_mm(acc_wu[lo:hi], du.t(), xc)
+                    if need_bu:
+                        _accumulate_sum(acc_bu[lo:hi], du)
+                    if need_x:
+                        _dx_add(dx_tile, du, wu_k, first=k == 0)
                 if need_dg:
-                    use_dg(dh, xc, s, e)
-                continue
-            if need_wd:
-                use_h(_act_into(g, t_buf[:rows], activation).mul_(u), dyc)
-            if need_du:
-                use_du(_act_into(g, t_buf[:rows], activation).mul_(dh), xc, s, e)
-            if need_dg:
-                use_dg(_act_backward_into(u.mul_(dh), g, u, activation), xc, s, e)
-        del g_buf, u_buf, t_buf, dh_buf
+                    if not fused:
+                        dg = _act_backward_into(u.mul_(dh), g, u, activation)
+                    if need_wg:
+                        _accumulate_mm(acc_wg[lo:hi], dg.t(), xc)
+                    if need_bg:
+                        _accumulate_sum(acc_bg[lo:hi], dg)
+                    if need_x:  # need_x implies need_du: dx_tile already holds this part's du Wu
+                        _dx_add(dx_tile, dg, wg_k, first=False)
+            if dx_acc is not None:
+                dx2[s:e].copy_(dx_tile)
+        del g_buf, u_buf, t_buf, dh_buf, dx_acc
 
     def finish(acc: Tensor | None, p: Tensor | None) -> Tensor:
         if acc is None:
