@@ -43,7 +43,9 @@ _LABEL_DTYPES = (torch.int32, torch.int64)
 # a gather-based log-prob has no ignored rows (gather on a negative label fails in eager): any negative index will do
 _ANY_NEGATIVE = "any-negative"
 _DEFAULT_IGNORE = -100
-_SOFTMAX_FAMILY = frozenset({"log_softmax", "softmax", "logsumexp", "cross_entropy", "nll_loss"})
+_SPELLING_OPS = frozenset(
+    {"log_softmax", "softmax", "logsumexp", "exp", "gather", "take_along_dim", "cross_entropy", "nll_loss"}
+)
 
 _ADVICE = (
     "compile the function that computes the loss from the model's outputs (so the logits stay inside the graph "
@@ -125,7 +127,6 @@ class _Region:
     values: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     order: list[fx.Node] = dataclasses.field(default_factory=list)  # region nodes in graph order
     inplace: list[fx.Node] = dataclasses.field(default_factory=list)
-    consumers: list[str] = dataclasses.field(default_factory=list)
     softmax_family: bool = False
     rejected: str | None = None
 
@@ -368,7 +369,6 @@ class _Analysis:
             raise _Reject(f"{node.name}: label dtype {G.dtype(index)} is not int32/int64")
         index = _labels_of(index) or index
         a = dict(form[1])
-        r.consumers.append("gather")
         terms = _combine(_form(lse=a.get("lse", 0), one=a.get("one", 0)), ((("zy", index), a.get("z", 0.0)),))
         return Row(form[0], terms, True)
 
@@ -405,7 +405,6 @@ class _Analysis:
             raise _Reject(
                 f"{where}: logits of shape {xs} with labels of shape {G.shape(labels)} (needs [N, V] and [N])"
             )
-        r.consumers.append(f"{name}({reduction}, ignore_index={ignore})")
         if reduction == "none":
             return Row(form[0], ((("ce", labels, ignore), 1.0),), False)
         return Reduced(form[0], labels, ignore, reduction)
@@ -563,10 +562,12 @@ def _check_linear(r: _Region) -> str | None:
     if G.graph_input(lin.weight) is None:
         return f"its weight {lin.weight.name} is computed in the graph, not a graph input (parameter)"
     hd, wd, od = G.dtype(lin.input), G.dtype(lin.weight), G.dtype(lin.node)
-    if hd not in _OP_DTYPES:
-        return f"h dtype {hd} is not supported by the fused op (float16, bfloat16, float32)"
-    if hd != wd or od != hd:
-        return f"h/weight/logits dtypes differ ({hd}, {wd}, {od}): autocast or mixed dtypes are not supported"
+    if od not in _OP_DTYPES:
+        return f"logits dtype {od} is not supported by the fused op (float16, bfloat16, float32)"
+    if hd != od or wd != od:
+        # autocast: the linear casts h and W to the logits' dtype; the rewrite casts them the same way
+        if not (hd == wd and hd in _FLOAT_DTYPES and od in (torch.float16, torch.bfloat16)):
+            return f"h/weight/logits dtypes differ ({hd}, {wd}, {od}) in a way autocast does not explain"
     return None
 
 
@@ -688,6 +689,18 @@ def temperature_of(chain: Chain) -> float:
 
 
 def _rewrite(gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], check_inputs: bool, op: Any) -> R.Rewrite:
+    """Insert the fused calls, rebuild each escaping value, erase the region; on _Reject nothing is left behind."""
+    new: list[fx.Node] = []
+    try:
+        return _rewrite_region(gm, r, escapes, check_inputs, op, new)
+    except _Reject:
+        for node in reversed(new):
+            if not node.users:
+                gm.graph.erase_node(node)
+        raise
+
+
+def _rewrite_region(gm, r, escapes, check_inputs, op, new: list[fx.Node]) -> R.Rewrite:
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(r.values)
@@ -699,7 +712,11 @@ def _rewrite(gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], check_input
     if fake_mode is None:
         raise _Reject("no fake tensors on the graph to build the rewrite with")
     b = _Builder(graph, anchor, fake_mode, lin.node)
+    b.new = new
     d = int(G.shape(weight)[1])
+    compute = G.dtype(lin.node)  # the linear's output dtype: h's, or autocast's
+    if G.dtype(weight) != compute:
+        weight = b.call("to", weight, compute, method=True)
 
     # which (base, labels, ignore) calls each escaping value needs
     calls: dict[fx.Node, dict[tuple, dict[str, Any]]] = {}
@@ -740,13 +757,13 @@ def _rewrite(gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], check_input
     rows: list[int] = []
     for base, keyed in calls.items():
         chain: Chain = r.values[base]
-        hb = h
+        hb = h if G.dtype(h) == compute else b.call("to", h, compute, method=True)
         for view in chain.replay:
             hb = _replay(b, hb, view, d)
         for kind, t in chain.tensor_scales:
             hb = b.call(operator.truediv if kind == "div" else operator.mul, hb, t)
         if chain.tensor_scales:
-            hb = b.call("to", hb, G.dtype(h), method=True)
+            hb = b.call("to", hb, compute, method=True)
         device = G.example_value(h).device
         rows.append(math.prod(G.hint(s) or 0 for s in G.shape(hb)[:-1]))
         out: dict[Any, Any] = {"entropy": None}
@@ -810,17 +827,27 @@ def _rewrite(gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], check_input
     n_rows = max(rows) if rows else 0
     temps = sorted({f"{temperature_of(r.values[bn]):g}" for bn in calls})
     tensor_t = any(r.values[bn].tensor_scales for bn in calls)
+    spelled = dict.fromkeys(G.op(n) for n in r.order if G.op(n) in _SPELLING_OPS)
+    autocast = f"; autocast to {str(compute).replace('torch.', '')}" if compute != G.dtype(h) else ""
     detail = (
-        f"consumers: {', '.join(dict.fromkeys(r.consumers))}; temperature {'/'.join(temps)}"
-        f"{' (tensor, folded into h)' if tensor_t else ''}; {n_calls} fused call(s)"
+        f"{', '.join(dict.fromkeys(_output_name(r.values[n]) for n in escapes))} "
+        f"(via {', '.join(spelled)}); temperature {'/'.join(temps)}"
+        f"{' (tensor, folded into h)' if tensor_t else ''}{autocast}; {n_calls} fused call(s)"
     )
     return R.Rewrite(
         NAME,
         G.module_path(lin.node),
-        shapes={"h": (n_rows, d), "weight": tuple(G.shape(weight)), "N/D/V": (n_rows, d, r.vocab)},
-        dtypes={"h": str(G.dtype(h)), "weight": str(G.dtype(weight)), "logits": str(G.dtype(lin.node))},
+        shapes={"h": (n_rows, d), "weight": tuple(G.shape(lin.weight)), "N/D/V": (n_rows, d, r.vocab)},
+        dtypes={"h": str(G.dtype(h)), "weight": str(G.dtype(lin.weight)), "logits": str(G.dtype(lin.node))},
         detail=detail,
     )
+
+
+def _output_name(v: Any) -> str:
+    if isinstance(v, Reduced):
+        return f"cross_entropy {v.reduction} (ignore_index={v.ignore})"
+    kinds = {"entropy" if k == "spz" else "log-prob" for k, _ in v.terms if k not in ("lse", "one")}
+    return " + ".join(sorted(kinds, reverse=True)) if len(kinds) > 1 else kinds.pop()
 
 
 def _row_value(b: _Builder, v: Row, out: dict[Any, Any]) -> fx.Node:

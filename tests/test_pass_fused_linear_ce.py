@@ -360,6 +360,42 @@ def test_pass_off_leaves_graph_alone():
     assert not tilecompile.report().skipped
 
 
+def test_autocast_casts_h_and_weight_like_the_linear():
+    def spelling(m, h, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = m.lm_head(h)
+            return lp_of(z, y).float(), entropy_of(z).float()
+
+    torch.manual_seed(0)
+    model = Head(spelling)
+    h, y = torch.randn(3, 5, D), torch.randint(0, V, (3, 5))
+    with torch.no_grad():
+        exact = (lp_of(model.lm_head(h), y), entropy_of(model.lm_head(h)))
+        eager = model(h, y)
+        out = torch.compile(model, backend="tilecompile", options=OPTIONS)(h, y)
+    rep = tilecompile.report()
+    assert rep.counts["fused_linear_ce"] == 1 and "autocast to bfloat16" in rep.rewrites[0].detail, rep
+    for o, e, x in zip(out, eager, exact):
+        assert (o - x).abs().max() <= 2 * (e - x).abs().max() + 1e-2
+
+
+@pytest.mark.slow
+def test_inductor_inner_compiler():
+    compile_and_compare(logp_entropy_ce_together, options={"inner": "inductor"})
+
+
+def test_dynamic_shapes():
+    torch.manual_seed(0)
+    model = Head(shifted)
+    compiled = torch.compile(model, backend="tilecompile", options=OPTIONS, dynamic=True)
+    for batch, seq in ((2, 6), (3, 9)):
+        h, y = torch.randn(batch, seq, D), torch.randint(0, V, (batch, seq))
+        for a, e in zip(compiled(h, y), model(h, y)):
+            assert_close(a, e, rtol=1e-5, atol=1e-5)
+    rep = tilecompile.report()
+    assert rep.graphs == 1 and rep.counts["fused_linear_ce"] == 1, rep
+
+
 # ----------------------------------------------------------------------------------------------- non-matches
 
 
