@@ -28,6 +28,7 @@ import torch.fx as fx
 import tilecompile.ops.tiled_mlp  # noqa: F401 - registers torch.ops.tilecompile.tiled_gated_mlp
 from tilecompile import graph as G
 from tilecompile import reporting as R
+from tilecompile.config import Settings
 from tilecompile.pipeline import PassContext, PassResult, expect
 
 NAME = "tiled_mlp"
@@ -193,7 +194,8 @@ def check_dtypes(m: GatedMLP) -> str | None:
     compute = inner.pop()
     if not compute.is_floating_point:
         return f"compute dtype {compute} is not floating point"
-    inputs = [m.x] + [t for lin in (m.gate.linear, m.up.linear, m.down) for t in (lin.weight, lin.bias) if t]
+    linears = (m.gate.linear, m.up.linear, m.down)
+    inputs = [m.x] + [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
     if any(not (G.dtype(t) or torch.int64).is_floating_point for t in inputs):
         return "an input of the MLP is not a floating-point tensor"
     return None
@@ -306,7 +308,7 @@ def _common_stack(nodes: frozenset[fx.Node]) -> list[tuple[str, object]]:
     return common
 
 
-def _record(m: GatedMLP, compute: torch.dtype, s) -> R.Rewrite:
+def _record(m: GatedMLP, compute: torch.dtype, s: Settings) -> R.Rewrite:
     shapes = {"x": G.shape(m.x), "out": G.shape(m.down.node)}
     for role, p in (("gate", m.gate), ("up", m.up)):
         w = G.shape(p.linear.weight)
@@ -316,7 +318,7 @@ def _record(m: GatedMLP, compute: torch.dtype, s) -> R.Rewrite:
         shapes["gate_up_weight"] = G.shape(m.gate.linear.weight)
     shapes = {k: tuple(_size(i) for i in v) for k, v in shapes.items()}
     dtypes = {"x": str(G.dtype(m.x)), "weight": str(G.dtype(m.down.weight)), "compute": str(compute)}
-    biases = [r for r, lin in (("gate", m.gate.linear), ("up", m.up.linear), ("down", m.down)) if lin.bias]
+    biases = [r for r, lin in (("gate", m.gate.linear), ("up", m.up.linear), ("down", m.down)) if lin.bias is not None]
     detail = (
         f"activation={m.act.kind} fused={'gate_up' if m.fused else 'no'} bias={','.join(biases) or 'none'} "
         f"chunk_tokens={s.mlp_chunk_tokens or 'auto'} budget_mb={s.mlp_chunk_budget_mb} grad_accum={s.mlp_grad_accum}"
@@ -332,7 +334,7 @@ def _size(s):
 
 
 def _path(nodes) -> str:
-    return G.common_module_path(nodes)
+    return G.common_module_path(n for n in nodes if isinstance(n, fx.Node))
 
 
 # ------------------------------------------------------------------------------------------------------- run
@@ -362,7 +364,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             )
             reason = next((r for r in (c(m) for c in checks) if r), None)
         if reason is not None:
-            path = G.module_path(node) if isinstance(m, str) else _path(m.region)
+            path = _path(m.region) if isinstance(m, GatedMLP) else _path([node, *node.args[:1]])
             candidate = f"down projection {G.module_path(node) or node.name}"
             result.skipped.append(R.Skip(NAME, candidate, path, reason))
             continue

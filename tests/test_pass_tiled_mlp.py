@@ -323,10 +323,18 @@ NEAR_MISSES = [
 
 @pytest.mark.parametrize("kind,reason", NEAR_MISSES, ids=[k for k, _ in NEAR_MISSES])
 def test_near_misses_are_skipped_with_reason(kind, reason):
-    _check_against_eager(NearMiss(kind), torch.randn(2, 5, D))
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = NearMiss(kind)
+
+        def forward(self, x):
+            return self.mlp(x)
+
+    _check_against_eager(Wrap(), torch.randn(2, 5, D))
     assert not _rewrites(), tilecompile.report()
     (s,) = _skips()
-    assert reason in s.reason and "down_proj" in s.candidate, s
+    assert reason in s.reason and s.candidate == "down projection mlp.down_proj" and s.module_path == "mlp", s
 
 
 def test_below_min_tokens_is_skipped():
