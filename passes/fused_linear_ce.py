@@ -237,7 +237,50 @@ class _Analysis:
             return self.row_dims(node, name, x, xv)
         if name == "contiguous" and isinstance(xv, Vocab | Row):
             return xv
+        if name == "stack":
+            return self.stack_rows(node)
         return None
+
+    def stack_rows(self, node: fx.Node) -> Row | None:
+        """``torch.stack([f(z[0]), f(z[1]), ...])`` of one per-row value is ``f(z)`` (TRL's selective_log_softmax)."""
+        r = self.r
+        items, dim = G.arg(node, 0, "tensors"), G.arg(node, 1, "dim", 0)
+        if not isinstance(items, list | tuple) or not items or dim != 0:
+            return None
+        parent, merged, keepdim = None, None, None
+        for i, item in enumerate(items):
+            v = r.values.get(item) if isinstance(item, fx.Node) else None
+            chain = r.values.get(v.base) if isinstance(v, Row) else None
+            if not isinstance(chain, Chain) or not chain.replay:
+                return None
+            row = chain.replay[-1]
+            if G.op(row) != "getitem" or row.args[1] != i or not isinstance(r.values.get(row.args[0]), Chain):
+                return None
+            if parent is not None and row.args[0] is not parent:
+                return None
+            parent = row.args[0]
+            pc = r.values[parent]
+            if chain.replay[:-1] != pc.replay or (chain.scale, chain.tensor_scales) != (pc.scale, pc.tensor_scales):
+                return None
+            terms = []
+            for k, c in v.terms:
+                if isinstance(k, tuple) and k[0] == "zy":
+                    labels = k[1]
+                    if G.op(labels) != "getitem" or labels.args[1] != i:
+                        return None
+                    k = ("zy", labels.args[0])
+                elif isinstance(k, tuple):
+                    return None
+                terms.append((k, c))
+            if merged is not None and (dict(terms) != dict(merged) or v.keepdim != keepdim):
+                return None
+            merged, keepdim = terms, v.keepdim
+        if G.hint((G.shape(parent) or (None,))[0]) != len(items):
+            return None
+        for k, _ in merged:
+            if isinstance(k, tuple) and not _same_shape(G.shape(k[1]), G.shape(parent)[:-1]):
+                return None
+        return Row(parent, tuple(merged), keepdim)
 
     def _float_dtype_arg(self, node: fx.Node) -> bool:
         dt = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)

@@ -226,6 +226,23 @@ def entropy_only_shifted(m, h, y):
     return entropy_of(m.lm_head(h)[:, :-1].float())
 
 
+def trl_selective_log_softmax(logits, index):
+    """TRL's GRPO log-prob: gather − a row-by-row logsumexp for fp32, a row-by-row log_softmax otherwise."""
+    if logits.dtype in [torch.float32, torch.float64]:
+        selected_logits = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+        logsumexp_values = torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])
+        return selected_logits - logsumexp_values
+    per_token_logps = []
+    for row_logits, row_labels in zip(logits, index):
+        row_logps = F.log_softmax(row_logits, dim=-1)
+        per_token_logps.append(row_logps.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(per_token_logps)
+
+
+def lp_trl_fp32(m, h, y):
+    return trl_selective_log_softmax(m.lm_head(h)[:, :-1] / 0.9, y[:, 1:])
+
+
 @pytest.mark.parametrize(
     "spelling",
     [
@@ -245,6 +262,7 @@ def entropy_only_shifted(m, h, y):
         temperature_inplace,
         two_views,
         entropy_only_shifted,
+        lp_trl_fp32,
     ],
 )
 def test_spelling_fires_and_matches_eager(spelling):
@@ -274,6 +292,17 @@ def test_ce_none_with_ignore_index_gives_zero_rows():
 def test_mean_cross_entropy_of_all_ignored_labels_is_nan_like_eager():
     labels = torch.full((2, 5), -100)
     compile_and_compare(ce_mean, labels=labels, batch=(2, 5))
+
+
+def test_trl_row_by_row_log_softmax():
+    # TRL's branch for bf16/fp16 logits, here on fp32 ones (so that it compares exactly)
+    def spelling(m, h, y):
+        rows = zip(m.lm_head(h), y)
+        return torch.stack(
+            [F.log_softmax(z, dim=-1).gather(dim=-1, index=t.unsqueeze(-1)).squeeze(-1) for z, t in rows]
+        )
+
+    compile_and_compare(spelling)
 
 
 def test_tensor_temperature_scales_h():
