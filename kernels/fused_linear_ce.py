@@ -77,8 +77,8 @@ if HAS_TRITON:
         BLOCK_C: tl.constexpr,
         NUM_STAGES: tl.constexpr,
     ):
-        # Persistent over rows: with a software-pipelined row loop the next row's load is in flight while this
-        # row is reduced (one program per row left the SMs waiting on load latency between reductions).
+        # Persistent over rows, the row loop software-pipelined so the next row's load can be in flight while
+        # this row is reduced (on H200 this measured within run-to-run noise of one program per row).
         offs = tl.arange(0, BLOCK_C)
         for row_i in tl.range(tl.program_id(0), n_rows, tl.num_programs(0), num_stages=NUM_STAGES):
             row = tl.cast(row_i, tl.int64)
@@ -180,8 +180,9 @@ def _block_c(n_cols: int, cap: int) -> int:
     return max(16, min(cap, 1 << (max(n_cols, 1) - 1).bit_length()))
 
 
-# The forward epilogue reduces each row (max, Σe, Σe·x): a whole chunk row in one tile keeps all its loads in
-# flight at once and does the three reductions once (tiles of 2048 made it latency-bound: 3x slower on H200).
+# The forward epilogue reduces each row (max, Σe, Σe·x): a whole chunk row in one tile issues all its loads at
+# once and does the three reductions once per chunk. Measured on H200 (N=16384, V=151936, C=4096): 3.3-4.0 ms
+# for 5 GB read, against 3.8 ms with 2048-wide tiles and one program per row; still ~3x its bandwidth bound.
 _FWD_BLOCK_CAP = 8192
 # Row-loop pipeline depth of the forward epilogue (Triton's softmax tutorial uses the same persistent layout).
 _FWD_STAGES = 2

@@ -262,6 +262,10 @@ def test_compile_fullgraph_aot_eager(monkeypatch):
             h, w, y
         )
     assert_close(lp_c, op(h, w, y, 1.0, -100, False)[0], rtol=0, atol=0, name="no-grad logp")
+    # The Python wrappers (they read the config) trace too.
+    wrapped = lambda h, w, y: ops.linear_cross_entropy(h, w, y, 0.8) + ops.linear_logprob_entropy(h, w, y)[1].sum()
+    out = torch.compile(wrapped, backend="aot_eager", fullgraph=True)(h, w, y)
+    assert_close(out, wrapped(h, w, y), rtol=1e-6, atol=1e-6, name="wrappers")
 
 
 _INTERPRET_SCRIPT = textwrap.dedent(
