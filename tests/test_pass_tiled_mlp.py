@@ -248,6 +248,26 @@ def test_cpu_bf16_and_autocast_match_eager(mode):
     assert ("autocast" in r.detail) == (mode == "autocast"), r.detail
 
 
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "untiled"])
+def test_backward_saves_no_intermediate(tiled):
+    """The point of the pass: what the compiled graph saves for backward holds no [tokens, I] tensor."""
+    model = Block("silu")
+    compiled = _compile(model, tiled_mlp=tiled)
+    x = torch.randn(4, 64, D, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(x)
+    out.sum().backward()
+    wide = [shape for shape in saved if shape and shape[-1] == INTER and torch.Size(shape).numel() >= 4 * 64 * INTER]
+    assert (not wide) == tiled, saved
+    assert len(_rewrites()) == int(tiled)
+
+
 class AutocastInside(torch.nn.Module):
     """``torch.autocast`` inside the compiled code: Dynamo puts _enter/_exit_autocast nodes in the graph."""
 
