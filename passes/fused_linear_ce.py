@@ -162,6 +162,7 @@ class _Analysis:
         self.gm = gm
         self.r = _Region(linear)
         self.position = position
+        self.bases: dict[tuple, fx.Node] = {}
 
     # --- entry
     def run(self) -> _Region:
@@ -283,14 +284,19 @@ class _Analysis:
         return Row(parent, tuple(merged), keepdim)
 
     def _float_dtype_arg(self, node: fx.Node) -> bool:
-        dt = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)
-        return dt is None or dt in _FLOAT_DTYPES
+        dtypes = [a for a in (*node.args[2:], node.kwargs.get("dtype")) if isinstance(a, torch.dtype)]
+        return all(dt in _FLOAT_DTYPES for dt in dtypes)
+
+    def base_of(self, node: fx.Node) -> fx.Node:
+        """One representative per distinct logits value: ``z.float()`` twice is one base, one fused call."""
+        v: Chain = self.r.values[node]
+        return self.bases.setdefault((v.replay, v.scale, v.tensor_scales), node)
 
     def vocab_form(self, x: fx.Node) -> tuple[fx.Node, tuple, bool] | None:
         """(base chain node, form, soft) of a region value usable as a vocab-sized tensor."""
         v = self.r.values.get(x)
         if isinstance(v, Chain):
-            return x, _Z, False
+            return self.base_of(x), _Z, False
         if isinstance(v, Vocab):
             return v.base, v.form, v.soft
         return None
@@ -347,6 +353,7 @@ class _Analysis:
             if len(parent.users) != 1:
                 raise _Reject(f"in-place temperature {node.name} mutates logits that have other aliases in use")
             cur = parent
+        self.bases = {k: b for k, b in self.bases.items() if b is not x}
         r.values[x] = scaled
         r.values[node] = scaled
         r.order.append(node)
@@ -519,7 +526,7 @@ class _Analysis:
 
     def _vocab_of(self, node: Any, v: Any) -> Vocab | None:
         if isinstance(v, Chain):
-            return Vocab(node, _Z, False)
+            return Vocab(self.base_of(node), _Z, False)
         return v if isinstance(v, Vocab) else None
 
     def row_dims(self, node: fx.Node, name: str, x: fx.Node, xv: Row) -> Row | None:

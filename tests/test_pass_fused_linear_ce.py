@@ -332,6 +332,18 @@ def test_one_call_serves_logp_entropy_and_ce():
     assert len(fused_calls(gm)) == 2  # [B, T] logits for logp/entropy, the [B*T] view for the CE
 
 
+def test_equal_casts_share_one_call():
+    def spelling(m, h, y):
+        logits = m.lm_head(h)[:, :-1]
+        logp = F.log_softmax(logits.float(), dim=-1).gather(-1, y[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return logp, entropy_of(logits.float())
+
+    torch.manual_seed(0)
+    (gm,) = compiled_graphs(Head(spelling), torch.randn(2, 4, D), torch.randint(0, V, (2, 4)))
+    (call,) = fused_calls(gm)
+    assert call.args[5] is True
+
+
 def test_check_inputs_and_temperature_reach_the_op():
     torch.manual_seed(0)
     graphs = compiled_graphs(
