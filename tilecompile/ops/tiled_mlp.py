@@ -25,9 +25,13 @@ reference, ``USE_TRITON = False`` selects it). fp32 accumulation of bf16/fp16 pr
 ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` when this torch supports it (probed once per device),
 else a per-chunk product in the compute dtype added into the fp32 buffer.
 
-Cost (H200, SwiGLU N=65536, D=3584, I=18944, bf16; benchmarks/RESULTS.md): 11 GEMMs instead of 9, plus each
-chunk's weight-grad GEMMs reading and writing their [D, I] accumulators, so about 1.3x Inductor's time at
-1.4-1.9 GiB peak extra instead of 9.8 GiB. A larger ``budget_mb`` means fewer chunks and less of the latter.
+The backward tiles [parts * chunk tokens, I / parts] (up to 4 parts of at least 1024 columns): the same
+intermediate bytes as [chunk, I], but each weight-grad accumulator is read and written once per tile row of
+tokens, so `parts` times less often. dx sums its 2 * parts products per tile in fp32 with ``grad_accum="fp32"``
+(an fp32 [tile, D] buffer), in the compute dtype with ``"param"``.
+
+Cost (H200, SwiGLU N=65536, D=3584, I=18944, bf16; benchmarks/RESULTS.md): 11 GEMMs instead of 9, so about
+1.25x Inductor's time, at 2.0 GiB (fp32 accumulation) or 1.4 GiB (param) peak extra instead of Inductor's 9.8 GiB.
 
 Autocast: the op casts its floating inputs to the autocast dtype of the device (an Autocast{CPU,CUDA} kernel),
 so it behaves like ``F.linear`` under ``torch.autocast``; outside autocast all inputs must share one dtype.
