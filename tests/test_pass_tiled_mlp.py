@@ -410,9 +410,16 @@ class _Logits(torch.nn.Module):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_hf_models_one_rewrite_per_layer(name, checkpointing):
-    model = _Logits(_hf_model(name, checkpointing))
+    model = _hf_model(name, checkpointing)
+    ref = copy.deepcopy(model)
+    compiled = _compile(model, fused_linear_ce=True)  # the HF model itself, as users compile it
     ids = torch.randint(0, 96, (2, 12))
-    _check_against_eager(model, ids, rtol=1e-4, atol=1e-5, fused_linear_ce=True)
+    out = compiled(input_ids=ids, use_cache=False).logits
+    expected = ref(input_ids=ids, use_cache=False).logits
+    assert_close(out, expected, rtol=RTOL, atol=ATOL, name="logits")
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
     paths = sorted(r.module_path for r in _rewrites())
     assert len(paths) == 2 and paths[0].endswith("layers.0.mlp") and paths[1].endswith("layers.1.mlp"), paths
     assert all("activation=silu fused=no" in r.detail for r in _rewrites())
