@@ -13,6 +13,9 @@ Checks, each a reason when it says no: the same ``x`` feeds gate and up; every w
 chain without broadcasting; the intermediates are used only inside the MLP; one dtype inside the region (under
 autocast the op is handed ``x`` and the weights cast to the compute dtype, as ``F.linear`` would); no autocast
 edge inside the region; at least ``mlp_min_tokens`` tokens.
+
+Not matched (left to Inductor): GELU spelled out as tanh arithmetic (HF ``gelu_new``), LoRA-style adapters added
+to a projection, MoE experts whose weights are indexed out of a stacked parameter, dropout inside the MLP.
 """
 
 from __future__ import annotations
