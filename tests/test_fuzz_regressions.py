@@ -1,0 +1,52 @@
+"""Minimal cases the fuzzer (tests/test_fuzz.py) found, kept as plain tests with the concrete values.
+
+A case for a bug not fixed yet is a strict xfail: it starts failing (XPASS) once the bug is fixed, which is the
+signal to drop the marker and the matching entry of ``test_fuzz.KNOWN_GAPS``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, compile_options
+
+import tilecompile
+
+
+def _logp_gather(h, w, y):
+    return F.linear(h, w).log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fused_linear_ce: on the dynamic recompile, labels' token dim is a symbol distinct from h's, and the "
+    "gather check ('only one label per row is supported') skips the rewrite",
+)
+def test_gather_logprob_rewritten_after_dynamic_recompile():
+    """log_softmax().gather() on [1, T, 3] with T = 2 then 3: the second call recompiles with a dynamic T.
+    Both graphs should use the fused op (a recompile for a new length is exactly where memory matters)."""
+    w = torch.randn(5, 3, requires_grad=True)
+    fn = torch.compile(_logp_gather, backend="tilecompile", options=compile_options(), fullgraph=True)
+    for t in (2, 3):
+        h, y = torch.randn(1, t, 3), torch.randint(0, 5, (1, t))
+        assert_close(fn(h, w, y), _logp_gather(h, w, y), rtol=1e-5, atol=1e-6, name=f"logp T={t}")
+    rep = tilecompile.report()
+    assert rep.graphs == 2, rep
+    assert rep.counts["fused_linear_ce"] == 2, rep
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fused_linear_ce: a gather-based log-prob is fused with ignore_index=-100, so a label of -100 gives a "
+    "log-prob of 0 where eager gather raises (every other out-of-range label raises the op's ValueError)",
+)
+def test_gather_logprob_label_minus_100_raises():
+    """Labels [1, -100] into V=5: eager's gather raises; the rewritten graph must raise too, not return 0."""
+    h, w, y = torch.randn(2, 3), torch.randn(5, 3), torch.tensor([1, -100])
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        _logp_gather(h, w, y)
+    fn = torch.compile(_logp_gather, backend="tilecompile", options=compile_options(), fullgraph=True)
+    with pytest.raises(ValueError, match="out of range"):
+        fn(h, w, y)
+    assert tilecompile.report().counts["fused_linear_ce"] == 1
