@@ -24,6 +24,7 @@ In-place scaling (verl's ``logits.div_(t)``) is understood when the scaled logit
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import operator
 from typing import Any
@@ -170,11 +171,13 @@ class _Analysis:
         lin = r.linear.node
         r.values[lin] = Chain(())
         r.order.append(lin)
-        start = self.position[lin]
-        for node in list(self.gm.graph.nodes)[start + 1 :]:
-            inputs = [a for a in G.tensor_args(node) if a in r.values] + _nested_region_args(node, r.values)
-            if not inputs:
-                continue
+        # visit the users of region nodes in graph order (a heap of positions): every region input of a node is
+        # decided before the node, and nodes the logits never reach are never looked at
+        todo = [(self.position[u], u) for u in lin.users]
+        heapq.heapify(todo)
+        seen = set(lin.users)
+        while todo:
+            _, node = heapq.heappop(todo)
             try:
                 value = self.classify(node)
             except _Reject as exc:
@@ -182,10 +185,13 @@ class _Analysis:
                 value = None
             if value is None:
                 continue
-            if value == "inplace":
-                continue
-            r.values[node] = value
-            r.order.append(node)
+            if value != "inplace":
+                r.values[node] = value
+                r.order.append(node)
+            for u in node.users:
+                if u not in seen:
+                    seen.add(u)
+                    heapq.heappush(todo, (self.position[u], u))
         return r
 
     # --- classification of one node whose inputs include region values
@@ -552,12 +558,6 @@ def _scale_value(v: Any, s: float | None) -> Any:
     if isinstance(v, Vocab):
         return Vocab(v.base, _scaled(v.form, s), v.soft)
     return None
-
-
-def _nested_region_args(node: fx.Node, values: dict[fx.Node, Any]) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) if n in values else None)
-    return found
 
 
 def _view_sizes(node: fx.Node) -> list | None:
