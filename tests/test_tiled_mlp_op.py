@@ -399,6 +399,26 @@ def test_cpu_autocast_casts_inputs():
         assert rel_err(g, r) < 3e-2
 
 
+def test_cpu_autocast_under_torch_compile():
+    wg, wu, wd = make_params(16, 40)[:3]
+
+    def f(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = tiled_gated_mlp(x, wg, wu, wd, chunk_tokens=64)
+        return y.float().pow(2).sum(), y.dtype
+
+    x = torch.randn(100, 16, requires_grad=True)
+    loss, dtype = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    grads = torch.autograd.grad(loss, [x, wg, wu, wd])
+    loss_ref, dtype_ref = f(x)
+    grads_ref = torch.autograd.grad(loss_ref, [x, wg, wu, wd])
+    assert dtype == dtype_ref == torch.bfloat16
+    assert_close(loss, loss_ref, rtol=1e-3, atol=1e-3)
+    for g, r in zip(grads, grads_ref):
+        assert g.dtype == torch.float32
+        assert_close(g, r, rtol=1e-3, atol=1e-3)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # memory: bytes saved for backward
 
