@@ -173,3 +173,5 @@ def test_module_path():
     paths = [G.module_path(n) for n in gm.graph.nodes if G.as_linear(n) is not None]
     assert paths == ["layers.0.proj", "layers.1.proj"]
     assert G.clean_path("L['self']._modules['model']._modules['layers']['3'].mlp") == "model.layers.3.mlp"
+    # Hugging Face 5.x wraps forward in a *args decorator: the root is L['args'][0]
+    assert G.clean_path("L['args'][0].model.layers[1].mlp") == "model.layers.1.mlp"

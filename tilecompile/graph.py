@@ -194,7 +194,7 @@ def common_module_path(nodes: Iterable[fx.Node]) -> str:
 
 def clean_path(path: str) -> str:
     """``L['self'].model.layers[0]`` or ``L['self']._modules['model']`` -> ``model.layers.0``."""
-    path = re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", path)
+    path = re.sub(r"^L\[['\"][^'\"]*['\"]\](\[\d+\])*\.?", "", path)
     path = path.replace("._modules", "").replace("_modules", "")
     path = _BRACKET.sub(r".\1", path)
     return re.sub(r"\.+", ".", path).strip(".")

@@ -66,11 +66,11 @@ class Report:
         lines.append("  " + "  ".join(f"{k}={v}" for k, v in self.counts.items()))
         if self.rewrites:
             lines.append("rewritten:")
-            rows = [("pass", "module", "shapes", "dtypes")]
+            rows = [("pass", "module", "shapes", "dtypes", "detail")]
             for r in self.rewrites:
                 shapes = " ".join(f"{k}={_dims(v)}" for k, v in r.shapes.items())
                 dtypes = " ".join(f"{k}={str(v).removeprefix('torch.')}" for k, v in r.dtypes.items())
-                rows.append((r.pass_name, r.module_path or "<root>", shapes, dtypes))
+                rows.append((r.pass_name, r.module_path or "<root>", shapes, dtypes, r.detail))
             lines += _table(rows)
         if self.skipped:
             lines.append("skipped:")
