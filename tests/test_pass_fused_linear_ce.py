@@ -12,6 +12,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from helpers import assert_close, assert_grads_close
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import tilecompile
 from tilecompile import config, pipeline
@@ -271,6 +273,56 @@ def test_spelling_fires_and_matches_eager(spelling):
     assert rw.module_path == "lm_head"
     assert rw.shapes["N/D/V"][1:] == (D, V)
     assert rw.dtypes["weight"] == "torch.float32"
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 100))  # each example compiles: 10 in CI, 100 long
+@given(
+    shift=st.booleans(),
+    upcast=st.booleans(),
+    temperature=st.sampled_from([None, "div", "mul", "inplace", "tensor"]),
+    logp=st.sampled_from([None, "log_softmax", "gather_lse", "ce_none"]),
+    entropy=st.sampled_from([None, "verl", "p_logp", "exp_logp"]),
+    ce=st.sampled_from([None, "mean", "sum"]),
+)
+def test_combinations_of_spellings(shift, upcast, temperature, logp, entropy, ce):
+    """Any mix of producer steps and consumers on the same logits: one rewrite, eager's outputs and grads."""
+    assume(logp or entropy or ce)
+    tilecompile.reset()
+    torch._dynamo.reset()
+
+    def spelling(m, h, y, t):
+        z = m.lm_head(h)
+        if shift:
+            z, y = z[:, :-1], y[:, 1:]
+        if upcast:
+            z = z.float()
+        if temperature == "div":
+            z = z / 0.8
+        elif temperature == "mul":
+            z = 1.3 * z
+        elif temperature == "inplace":
+            z.div_(0.8)
+        elif temperature == "tensor":
+            z = z / t
+        outs = []
+        if logp == "log_softmax":
+            outs.append(lp_of(z, y))
+        elif logp == "gather_lse":
+            outs.append(z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1))
+        elif logp == "ce_none":
+            outs.append(-F.cross_entropy(z.reshape(-1, V), y.reshape(-1), reduction="none"))
+        if entropy == "verl":
+            outs.append(entropy_of(z))
+        elif entropy == "p_logp":
+            outs.append(-(F.softmax(z, -1) * F.log_softmax(z, -1)).sum(-1))
+        elif entropy == "exp_logp":
+            lp = z.log_softmax(-1)
+            outs.append(-(lp.exp() * lp).sum(-1))
+        if ce:
+            outs.append(F.cross_entropy(z.reshape(-1, V), y.reshape(-1), reduction=ce))
+        return tuple(outs)
+
+    compile_and_compare(spelling, extra=(torch.tensor(0.8),))
 
 
 @pytest.mark.parametrize("spelling", [ce_mean, ce_sum, ce_mean_ignore_7, ce_hf_mean, ce_hf_num_items])
