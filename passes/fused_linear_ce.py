@@ -756,6 +756,14 @@ def _rewrite_region(gm, r, escapes, check_inputs, op, new: list[fx.Node]) -> R.R
     inside = set(r.values)
     users = [u for n in escapes for u in n.users if u not in inside]
     anchor = min(users, key=lambda u: position[u])
+    # torch.no_grad() inside the graph: the calls run in the anchor's grad mode, switched on around the rewrite
+    # when the anchor is under no_grad but some value needs grad; a value eager computed without grad is detached
+    modes = _grad_modes(graph)
+    no_grad = {n for n in escapes if modes[n] is False}
+    switch = modes[anchor] is False and len(no_grad) < len(escapes)
+    if switch:
+        with graph.inserting_before(anchor):
+            new.append(graph.call_function(torch._C._set_grad_enabled, (True,)))
     lin = r.linear
     h, weight = lin.input, lin.weight
     fake_mode = getattr(G.example_value(h), "fake_mode", None)  # the graph's own mode, not the tracing context's
@@ -864,10 +872,16 @@ def _rewrite_region(gm, r, escapes, check_inputs, op, new: list[fx.Node]) -> R.R
         else:
             value = _row_value(b, v, out)
         want = G.example_value(node)
+        if node in no_grad and (modes[anchor] is not False or switch):
+            value = b.call("detach", value, method=True)
         if G.dtype(value) != want.dtype:
             value = b.call("to", value, want.dtype, method=True)
         expect(value, want)
         node.replace_all_uses_with(value)
+
+    if switch:
+        with graph.inserting_before(anchor):
+            new.append(graph.call_function(torch._C._set_grad_enabled, (False,)))
 
     for node in reversed(r.order):
         if node.users:
@@ -898,6 +912,16 @@ def _output_name(v: Any) -> str:
         return f"cross_entropy {v.reduction} (ignore_index={v.ignore})"
     kinds = {"entropy" if k == "spz" else "log-prob" for k, _ in v.terms if k not in ("lse", "one")}
     return " + ".join(sorted(kinds, reverse=True)) if len(kinds) > 1 else kinds.pop()
+
+
+def _grad_modes(graph: fx.Graph) -> dict[fx.Node, bool | None]:
+    """Each node's grad mode as set by ``torch._C._set_grad_enabled`` nodes before it (None: the caller's)."""
+    mode, modes = None, {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            mode = bool(node.args[0])
+        modes[node] = mode
+    return modes
 
 
 def _row_value(b: _Builder, v: Row, out: dict[Any, Any]) -> fx.Node:

@@ -357,6 +357,38 @@ def test_trl_row_by_row_log_softmax():
     compile_and_compare(spelling)
 
 
+def test_entropy_under_no_grad_stays_without_grad():
+    def spelling(m, h, y):
+        z = m.lm_head(h)
+        with torch.no_grad():
+            ent = entropy_of(z)
+        return lp_of(z, y), ent
+
+    compile_and_compare(spelling)
+
+
+def test_first_use_under_no_grad_with_a_later_use_that_needs_grad():
+    def spelling(m, h, y):
+        z = m.lm_head(h)
+        with torch.no_grad():
+            mean_entropy = entropy_of(z).mean()
+        return lp_of(z, y) * mean_entropy
+
+    compile_and_compare(spelling)
+
+
+def test_no_grad_step_runs_the_forward_only():
+    torch.manual_seed(0)
+    model, h, y = Head(logp_entropy_ce_together), torch.randn(2, 4, D), torch.randint(0, V, (2, 4))
+    with torch.no_grad():
+        out = torch.compile(model, backend="tilecompile", options=OPTIONS)(h, y)
+        ref = model(h, y)
+    assert tilecompile.report().counts["fused_linear_ce"] == 1
+    for a, e in zip(out, ref):
+        assert not a.requires_grad
+        assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
 def test_tensor_temperature_scales_h():
     compile_and_compare(temperature_tensor, extra=(torch.tensor(0.8),))
     assert "folded into h" in tilecompile.report().rewrites[0].detail
