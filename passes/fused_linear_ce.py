@@ -633,6 +633,12 @@ def _escapes(r: _Region) -> tuple[list[fx.Node], str | None]:
         user = outside[0]
         if isinstance(v, Chain | Vocab):
             what = "the logits" if isinstance(v, Chain) else f"{_vocab_name(v)} {node.name} of the logits"
+            if isinstance(user.target, torch._ops.HigherOrderOperator):
+                return out, (
+                    f"{what} are passed into {user.target.name()} {user.name} (e.g. torch.utils.checkpoint around "
+                    "the log-prob or entropy); the fused op saves only 8 bytes a token, so call those without the "
+                    "checkpoint, or checkpoint the lm_head together with them"
+                )
             return out, f"{what} are also {_describe_use(user)}; the fused op never builds the logits: {_ADVICE}"
         if any(G.is_inplace(u) and u.args and u.args[0] is node for u in outside):
             return out, f"{node.name} is mutated in place outside the matched region"

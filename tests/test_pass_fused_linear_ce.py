@@ -603,6 +603,28 @@ def test_non_match_is_skipped_with_reason(spelling, extra, reason):
     assert rep.skipped[0].module_path == ("" if spelling is computed_weight else "lm_head")
 
 
+def test_checkpointed_loss_with_its_lm_head_fires():
+    def spelling(m, h, y):
+        def loss(h):
+            z = m.lm_head(h)
+            return F.cross_entropy(z.view(-1, V), y.view(-1)), entropy_of(z)
+
+        return torch.utils.checkpoint.checkpoint(loss, h, use_reentrant=False)
+
+    compile_and_compare(spelling)
+
+
+def test_checkpointed_entropy_of_outside_logits_is_skipped():
+    # verl's entropy_checkpointing: the logits cross into the checkpoint body
+    def spelling(m, h, y):
+        z = m.lm_head(h)
+        return lp_of(z, y), torch.utils.checkpoint.checkpoint(entropy_of, z, use_reentrant=False)
+
+    compile_and_compare(spelling, rewrites=0)
+    (skip,) = tilecompile.report().skipped
+    assert "checkpoint" in skip.reason and skip.module_path == "lm_head"
+
+
 def test_returned_logits_reason_says_what_to_compile():
     compile_and_compare(returns_logits, rewrites=0)
     (skip,) = tilecompile.report().skipped
