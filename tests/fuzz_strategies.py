@@ -47,7 +47,8 @@ CE_HEADS = {
     "logp_and_entropy": (True, True),
     "ce_mean": (True, False),
     "ce_sum": (True, False),
-    "nll_mean": (True, False),
+    "nll_mean": (True, False),  # nll_loss(log_softmax(z.reshape(-1, V)), y.reshape(-1))
+    "nll_mean_reshaped_logp": (True, False),  # nll_loss(log_softmax(z).reshape(-1, V), y.reshape(-1))
     "ce_mean_and_entropy": (True, False),
     "trl_selective": (True, True),  # TRL's selective_log_softmax: per-row logsumexp / log_softmax, then stack
 }
@@ -82,7 +83,9 @@ class CESpec:
 
     @property
     def labels_all_valid(self) -> bool:
-        return CE_HEADS[self.head][1] if self.head in CE_HEADS else self.head in ("logits_returned", "argmax_too")
+        if self.head in CE_HEADS:
+            return CE_HEADS[self.head][1]
+        return self.head in ("logits_returned", "argmax_too", "bias", "computed_weight")
 
     @property
     def fires(self) -> int:
@@ -180,6 +183,8 @@ class LMHead(nn.Module):
             z2, y1 = (z.reshape(-1, v), labels.reshape(-1)) if s.shift else (z.view(-1, v), labels.view(-1))
             return (F.cross_entropy(z2, y1, ignore_index=ii, reduction="sum"),)
         if head == "nll_mean":
+            return (F.nll_loss(F.log_softmax(z.reshape(-1, v), -1), labels.reshape(-1), ignore_index=ii),)
+        if head == "nll_mean_reshaped_logp":
             return (F.nll_loss(F.log_softmax(z, -1).reshape(-1, v), labels.reshape(-1), ignore_index=ii),)
         if head == "ce_mean_and_entropy":
             loss = F.cross_entropy(z.reshape(-1, v), labels.reshape(-1), ignore_index=ii)

@@ -73,7 +73,7 @@ class Run:
     layout: Layout
     make_inputs: object  # (lead shape, generator) -> dict of float64 / integer input tensors, by forward arg name
     expected: dict[str, int]  # rewrites per compiled graph
-    known_gap: str | None = None  # a known missed rewrite on recompiled graphs (see KNOWN_GAPS): fewer is accepted
+    known_gap: tuple[str, int] | None = None  # (skip reason, fewest rewrites per run) of a known gap: see KNOWN_GAPS
     grad_inputs: tuple[str, ...] = ()  # float inputs that require grad
     no_grad: bool = False
     frozen: tuple[str, ...] = ()  # parameter names with requires_grad False
@@ -211,33 +211,33 @@ def execute(run: Run) -> tilecompile.Report:
     assert rep.graphs >= 1, rep
     expected = {name: n * rep.graphs for name, n in run.expected.items()}
     got = {name: rep.counts[name] for name in run.expected}
-    if run.known_gap and rep.graphs > 1 and got != expected:
-        # the first (static) graph must be rewritten; a dynamic recompile may hit the known gap, with its reason
-        assert all(run.expected[k] <= got[k] <= expected[k] for k in got), f"counts {got} vs {expected}\n{rep}"
-        assert any(run.known_gap in s.reason for s in rep.skipped), rep
+    if run.known_gap and got != expected:
+        # a known missed rewrite: fewer rewrites are accepted (down to the gap's minimum), with the gap's skip reason
+        reason, fewest = run.known_gap
+        assert all(fewest <= got[k] <= expected[k] for k in got), f"counts {got} vs {expected}\n{rep}"
+        assert any(reason in s.reason for s in rep.skipped), rep
         return rep
     assert got == expected, f"counts {got} != {expected} ({rep.graphs} graph(s))\n{rep}"
     return rep
 
 
-# Known missed rewrites, each pinned by a strict xfail in tests/test_fuzz_regressions.py (remove the entry when that
-# test starts passing): head -> the skip reason's telltale text.
+# Known missed rewrites, each pinned by a strict xfail in tests/test_fuzz_regressions.py (drop the entry when that
+# test starts passing): the telltale text of the pass's skip reason.
 KNOWN_GAPS = {
     # gather-based log-probs on a dynamic-shape recompile: labels' token dim is a different symbol from h's
-    "gather": "only one label per row is supported",
+    "gather_dynamic": "only one label per row is supported",
+    # nll_loss(log_softmax(z).reshape(-1, V), ...): a view of the log-softmax counts as a use outside the region
+    "nll_reshaped_logp": "also used by nll_loss",
 }
-
-
 GATHER_HEADS = ("log_softmax_gather", "take_along_dim", "gather_minus_logsumexp", "logp_and_entropy", "trl_selective")
 
 
-def ce_known_gap(spec: CESpec) -> str | None:
+def ce_known_gap(spec: CESpec) -> tuple[str, int] | None:
     if spec.head in GATHER_HEADS:
-        return KNOWN_GAPS["gather"]
+        return KNOWN_GAPS["gather_dynamic"], 1
+    if spec.head == "nll_mean_reshaped_logp":
+        return KNOWN_GAPS["nll_reshaped_logp"], 0
     return None
-
-
-# ------------------------------------------------------------------------------------------------------ CE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,14 +321,14 @@ def ce_cases(draw, *, near_miss: bool = False):
     return spec, ci, dtype, layout, no_grad, draw(st.integers(0, 2**16))
 
 
-@examples(ci=45, long=3500)
+@examples(ci=70, long=3000)
 @given(case=ce_cases())
 def test_ce_spellings_match_eager(case):
     spec, ci, dtype, layout, no_grad, seed = case
     execute(ce_run(spec, ci, dtype, layout, no_grad, seed))
 
 
-@examples(ci=15, long=1000)
+@examples(ci=20, long=800)
 @given(case=ce_cases(near_miss=True))
 def test_ce_near_misses_are_left_alone(case):
     spec, ci, dtype, layout, no_grad, seed = case
@@ -346,7 +346,7 @@ def ce_nonfinite_cases(draw):
     return spec, dataclasses.replace(ci, bad_rows=rows, bad_value=bad), dtype, layout, no_grad, seed
 
 
-@examples(ci=12, long=800)
+@examples(ci=15, long=800)
 @given(case=ce_nonfinite_cases())
 def test_ce_nonfinite_hidden_states_behave_like_eager(case):
     """A NaN / inf in one token's hidden state poisons that token's outputs (and what sums over tokens), as eager."""
@@ -366,7 +366,7 @@ def ce_bad_label_cases(draw):
     return spec, n, vocab, draw(dims(16)), bad, draw(st.integers(0, n - 1)), draw(st.integers(0, 2**16))
 
 
-@examples(ci=12, long=500)
+@examples(ci=15, long=600)
 @given(case=ce_bad_label_cases())
 def test_ce_out_of_range_labels_raise(case):
     """A label outside [0, V) that is not ignore_index is an error, compiled or eager (the op: ValueError)."""
@@ -389,8 +389,12 @@ def test_ce_out_of_range_labels_raise(case):
     fn = torch.compile(copy.deepcopy(module), backend="tilecompile", options=compile_opts(), fullgraph=True)
     with pytest.raises(Exception) as err:
         fn(**kwargs)
-    fired = tilecompile.report().counts["fused_linear_ce"]
-    assert fired == 1, tilecompile.report()
+    rep = tilecompile.report()
+    if rep.counts["fused_linear_ce"] == 0:  # a known gap: unfused, so the error is eager's
+        assert spec.head == "nll_mean_reshaped_logp", rep
+        assert type(err.value) is type(eager_err.value), (err.value, eager_err.value)
+        return
+    assert rep.counts["fused_linear_ce"] == 1, rep
     assert isinstance(err.value, ValueError) and "out of range" in str(err.value), (
         f"fused op: {type(err.value).__name__}: {err.value} (eager: {type(eager_err.value).__name__})"
     )
@@ -468,13 +472,13 @@ def mlp_run(spec: MLPSpec, mi: MLPInputs, dtype, layout: Layout, no_grad: bool, 
     )
 
 
-@examples(ci=45, long=3500)
+@examples(ci=70, long=3000)
 @given(case=mlp_cases())
 def test_mlp_spellings_match_eager(case):
     execute(mlp_run(*case))
 
 
-@examples(ci=15, long=800)
+@examples(ci=20, long=800)
 @given(case=mlp_cases(near_miss=True))
 def test_mlp_near_misses_are_left_alone(case):
     execute(mlp_run(*case))
@@ -491,7 +495,7 @@ def mlp_nonfinite_cases(draw):
     return spec, dataclasses.replace(mi, bad_rows=rows, bad_value=bad), dtype, layout, no_grad, seed
 
 
-@examples(ci=10, long=500)
+@examples(ci=12, long=600)
 @given(case=mlp_nonfinite_cases())
 def test_mlp_nonfinite_inputs_behave_like_eager(case):
     execute(mlp_run(*case))
@@ -509,7 +513,7 @@ def block_cases(draw):
     return mlp, ce, dtype, layout, draw(dims(24)), draw(dims(32)), draw(dims(100)) + 1, draw(st.integers(0, 2**16))
 
 
-@examples(ci=10, long=500)
+@examples(ci=15, long=600)
 @given(case=block_cases())
 def test_block_both_passes_fire(case):
     """A residual gated MLP feeding an lm_head log-prob / entropy / CE: one rewrite of each kind per graph."""

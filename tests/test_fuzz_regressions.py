@@ -50,3 +50,21 @@ def test_gather_logprob_label_minus_100_raises():
     with pytest.raises(ValueError, match="out of range"):
         fn(h, w, y)
     assert tilecompile.report().counts["fused_linear_ce"] == 1
+
+
+def _nll_of_reshaped_logp(h, w, y):
+    return F.nll_loss(F.log_softmax(F.linear(h, w), -1).reshape(-1, 5), y.reshape(-1))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fused_linear_ce: nll_loss(log_softmax(z).reshape(-1, V), y) is skipped ('the log-softmax ... also used "
+    "by nll_loss (through reshape)'), while nll_loss(log_softmax(z), y) and cross_entropy(z.reshape(-1, V), y) fuse",
+)
+def test_nll_loss_of_reshaped_log_softmax_is_fused():
+    """h [4, 3], W [5, 3]: the reshape is a no-op here, and the spelling is the claimed ``F.nll_loss``."""
+    w = torch.randn(5, 3, requires_grad=True)
+    h, y = torch.randn(4, 3), torch.tensor([0, 4, 2, 1])
+    fn = torch.compile(_nll_of_reshaped_logp, backend="tilecompile", options=compile_options(), fullgraph=True)
+    assert_close(fn(h, w, y), _nll_of_reshaped_logp(h, w, y), rtol=1e-5, atol=1e-6, name="loss")
+    assert tilecompile.report().counts["fused_linear_ce"] == 1, tilecompile.report()
