@@ -9,7 +9,8 @@ chain, a vocab-sized linear form ``a·z + b·lse + c`` (log_softmax is ``z − l
 or a per-row combination of lse, z_y (gather), Σp·z (sum of p times a form) and masked CE terms. Any spelling
 that reduces to these forms matches: ``log_softmax(z).gather(y)``, ``z.gather(y) − logsumexp(z)``,
 ``-F.cross_entropy(z, y, reduction="none")``, ``logsumexp(z) − Σ softmax(z)·z``, ``−Σ softmax(z)·log_softmax(z)``,
-``−Σ exp(logp)·logp``, ``F.cross_entropy(..., reduction="mean"|"sum", ignore_index=k)``, ``F.nll_loss``.
+``−Σ exp(logp)·logp``, ``F.cross_entropy(..., reduction="mean"|"sum", ignore_index=k)``, ``F.nll_loss``, and
+``torch.stack([f(z[0]), f(z[1]), ...])`` of such values row by row (TRL's selective_log_softmax).
 Check: a per-row value that leaves the region must be ``α·logp + β·H (+ const)`` (its lse coefficients cancel);
 logits or vocab-sized values must not leave it (returned, argmax, sampling, ...). Each check returns a reason.
 Rewrite: views/slices on the logits are replayed on h (``logits[:, :-1]`` becomes ``h[:, :-1]``), one op call per
@@ -19,6 +20,9 @@ dtype it had. Mean CE is ``−Σ logp / count(labels != ignore_index)`` (0/0 = n
 Temperature: a Python number goes to the op's ``temperature``. A tensor (or symbolic) temperature scales h instead,
 ``(h / t).to(h.dtype)``, and the op gets 1.0: exact in fp32, one extra rounding of h in bf16 (its grad flows to t).
 In-place scaling (verl's ``logits.div_(t)``) is understood when the scaled logits have no other aliases in use.
+Autocast: h and W are cast to the linear's output dtype, as autocast does. ``torch.no_grad()`` inside the graph:
+values eager computed without grad are detached. A loss checkpointed with its lm_head is rewritten inside the
+checkpoint's body; logits passed into a checkpoint (or any higher-order op) are skipped with a reason.
 """
 
 from __future__ import annotations
@@ -260,14 +264,15 @@ class _Analysis:
             chain = r.values.get(v.base) if isinstance(v, Row) else None
             if not isinstance(chain, Chain) or not chain.replay:
                 return None
-            row = chain.replay[-1]
+            core = _core(chain.replay)
+            row = core[-1] if core else None
             if G.op(row) != "getitem" or row.args[1] != i or not isinstance(r.values.get(row.args[0]), Chain):
                 return None
             if parent is not None and row.args[0] is not parent:
                 return None
             parent = row.args[0]
             pc = r.values[parent]
-            if chain.replay[:-1] != pc.replay or (chain.scale, chain.tensor_scales) != (pc.scale, pc.tensor_scales):
+            if core[:-1] != pc.replay or (chain.scale, chain.tensor_scales) != (pc.scale, pc.tensor_scales):
                 return None
             terms = []
             for k, c in v.terms:
@@ -287,16 +292,19 @@ class _Analysis:
         for k, _ in merged:
             if isinstance(k, tuple) and not _same_shape(G.shape(k[1]), G.shape(parent)[:-1]):
                 return None
-        return Row(parent, tuple(merged), keepdim)
+        return Row(self.base_of(parent), tuple(merged), keepdim)
 
     def _float_dtype_arg(self, node: fx.Node) -> bool:
         dtypes = [a for a in (*node.args[2:], node.kwargs.get("dtype")) if isinstance(a, torch.dtype)]
         return all(dt in _FLOAT_DTYPES for dt in dtypes)
 
     def base_of(self, node: fx.Node) -> fx.Node:
-        """One representative per distinct logits value: ``z.float()`` twice is one base, one fused call."""
+        """One representative per distinct set of logits rows: ``z.float()`` twice, or ``z`` and ``z.view(-1, V)``
+        (trailing reshapes keep the rows in order; static shapes only) share one base, so one fused call."""
         v: Chain = self.r.values[node]
-        return self.bases.setdefault((v.replay, v.scale, v.tensor_scales), node)
+        static = _static(G.shape(node))
+        replay = _core(v.replay) if static else v.replay
+        return self.bases.setdefault((replay, v.scale, v.tensor_scales, static), node)
 
     def vocab_form(self, x: fx.Node) -> tuple[fx.Node, tuple, bool] | None:
         """(base chain node, form, soft) of a region value usable as a vocab-sized tensor."""
@@ -423,7 +431,7 @@ class _Analysis:
             )
         if G.dtype(index) not in _LABEL_DTYPES:
             raise _Reject(f"{node.name}: label dtype {G.dtype(index)} is not int32/int64")
-        index = _labels_of(index) or index
+        index = _canonical_labels(_labels_of(index) or index)
         a = dict(form[1])
         terms = _combine(_form(lse=a.get("lse", 0), one=a.get("one", 0)), ((("zy", index), a.get("z", 0.0)),))
         return Row(form[0], terms, True)
@@ -461,6 +469,7 @@ class _Analysis:
             raise _Reject(
                 f"{where}: logits of shape {xs} with labels of shape {G.shape(labels)} (needs [N, V] and [N])"
             )
+        labels = _canonical_labels(labels)
         if reduction == "none":
             return Row(form[0], ((("ce", labels, ignore), 1.0),), False)
         return Reduced(form[0], labels, ignore, reduction)
@@ -500,6 +509,8 @@ class _Analysis:
                 fa, fb = self._vocab_of(a, va), self._vocab_of(b, vb)
                 if fa is None or fb is None or fa.base is not fb.base or fa.soft == fb.soft:
                     return None
+                if not _same_shape(G.shape(a), G.shape(b)):
+                    return None
                 soft, plain = (fa, fb) if fa.soft else (fb, fa)
                 coef = dict(soft.form)
                 if set(coef) != {"one"}:
@@ -515,11 +526,13 @@ class _Analysis:
                 return Row(vb.base, _combine(_scaled(vb.terms, sign), _form(one=_scalar(a))), vb.keepdim)
             return None
         if isinstance(va, Row) and isinstance(vb, Row):
-            if va.base is not vb.base or va.keepdim != vb.keepdim:
+            if va.base is not vb.base or va.keepdim != vb.keepdim or not _same_shape(G.shape(a), G.shape(b)):
                 return None
             return Row(va.base, _combine(va.terms, vb.terms, sign), va.keepdim)
         # a vocab-sized form plus a keepdim row of lse: z - logsumexp(z, -1, keepdim=True)
         fa, fb = self._vocab_of(a, va), self._vocab_of(b, vb)
+        if not _same_shape(G.shape(a)[:-1], G.shape(b)[:-1]):
+            return None
         for f, row, s_f, s_row in ((fa, vb, 1.0, sign), (fb, va, sign, 1.0)):
             if f is None or not isinstance(row, Row) or f.soft or not row.keepdim or row.base is not f.base:
                 continue
@@ -527,6 +540,8 @@ class _Analysis:
                 return None
             return Vocab(f.base, _combine(_scaled(f.form, s_f), row.terms, s_row), False)
         if fa is not None and fb is not None and fa.base is fb.base and fa.soft == fb.soft:
+            if not _same_shape(G.shape(a), G.shape(b)):
+                return None
             return Vocab(fa.base, _combine(fa.form, fb.form, sign), fa.soft)
         return None
 
@@ -678,6 +693,34 @@ def _row_reason(node: fx.Node, v: Row) -> str | None:
     if not any(k != "one" for k in t):
         return f"{node.name} is a constant of the logits' softmax"
     return None
+
+
+_RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous"})
+
+
+def _static(shape: tuple | None) -> bool:
+    return shape is not None and all(isinstance(s, int) for s in shape)
+
+
+def _core(replay: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
+    """``replay`` without its trailing reshapes (which change the logits' leading shape, not their rows' order)."""
+    while replay and G.op(replay[-1]) in _RESHAPES and _static(G.shape(replay[-1])):
+        replay = replay[:-1]
+    return replay
+
+
+def _canonical_labels(labels: fx.Node) -> fx.Node:
+    """The labels before reshapes and same-device ``.to(device)`` (static shapes): ``y.view(-1)`` is ``y``."""
+    while _static(G.shape(labels)) and isinstance(labels.args[0] if labels.args else None, fx.Node):
+        src = labels.args[0]
+        same_device = getattr(G.example_value(src), "device", None) == getattr(G.example_value(labels), "device", 0)
+        pure_to = labels.op == "call_method" and labels.target == "to" and G.dtype(src) == G.dtype(labels)
+        if not (G.op(labels) in _RESHAPES or (pure_to and same_device)) or not _static(G.shape(src)):
+            break
+        if G.dtype(src) != G.dtype(labels):  # view(dtype) reinterprets bits
+            break
+        labels = src
+    return labels
 
 
 def _labels_of(index: fx.Node) -> fx.Node | None:
@@ -839,8 +882,12 @@ def _rewrite_region(gm, r, escapes, check_inputs, op, new: list[fx.Node]) -> R.R
             else:
                 labels, ignore = key
                 ignore = _DEFAULT_IGNORE if ignore == _ANY_NEGATIVE else ignore
-                if _ndim(labels) == len(G.shape(hb)):  # a gather index [..., 1]
-                    labels = b.call(torch.squeeze, labels, -1)
+                rows = G.shape(hb)[:-1]
+                if not _same_shape(G.shape(labels), rows):
+                    if _static(G.shape(labels)) and _static(rows):  # labels of a reshaped view of these rows
+                        labels = b.call("reshape", labels, list(rows), method=True)
+                    elif _ndim(labels) == len(rows) + 1:  # a gather index [..., 1]
+                        labels = b.call(torch.squeeze, labels, -1)
             with_entropy = base in needs_entropy and out["entropy"] is None
             ls = G.shape(labels)
             fused = b.call(
@@ -878,6 +925,8 @@ def _rewrite_region(gm, r, escapes, check_inputs, op, new: list[fx.Node]) -> R.R
         else:
             value = _row_value(b, v, out)
         want = G.example_value(node)
+        if not _same_shape(G.shape(value), tuple(want.shape)):  # a row value of a reshaped view of the base
+            value = b.call("reshape", value, list(want.shape), method=True)
         if node in no_grad and (modes[anchor] is not False or switch):
             value = b.call("detach", value, method=True)
         if G.dtype(value) != want.dtype:
