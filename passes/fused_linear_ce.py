@@ -882,11 +882,11 @@ def _rewrite_region(gm, r, escapes, check_inputs, op, new: list[fx.Node]) -> R.R
             else:
                 labels, ignore = key
                 ignore = _DEFAULT_IGNORE if ignore == _ANY_NEGATIVE else ignore
-                rows = G.shape(hb)[:-1]
-                if not _same_shape(G.shape(labels), rows):
-                    if _static(G.shape(labels)) and _static(rows):  # labels of a reshaped view of these rows
-                        labels = b.call("reshape", labels, list(rows), method=True)
-                    elif _ndim(labels) == len(rows) + 1:  # a gather index [..., 1]
+                lead = G.shape(hb)[:-1]
+                if not _same_shape(G.shape(labels), lead):
+                    if _static(G.shape(labels)) and _static(lead):  # labels of a reshaped view of these rows
+                        labels = b.call("reshape", labels, list(lead), method=True)
+                    elif _ndim(labels) == len(lead) + 1:  # a gather index [..., 1]
                         labels = b.call(torch.squeeze, labels, -1)
             with_entropy = base in needs_entropy and out["entropy"] is None
             ls = G.shape(labels)

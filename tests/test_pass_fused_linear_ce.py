@@ -408,6 +408,7 @@ def test_shift_slice_is_replayed_on_h():
     assert G.shape(call.args[0]) == (2, 5, D) and G.shape(call.args[2]) == (2, 5)
     assert not any(G.as_linear(n) for n in gm.graph.nodes), "the [N, V] logits are still computed"
     assert call.args[5] is True  # with_entropy
+    assert tilecompile.report().rewrites[0].shapes["N/D/V"] == (10, D, V)
 
 
 def test_one_call_serves_logp_entropy_and_ce():
