@@ -364,3 +364,39 @@ def test_gpu_reduce_overhead():
     assert_close(out, ref, rtol=1e-5, atol=1e-3, name="loss")
     assert_close(h1.grad, h2.grad, rtol=0, atol=0, name="dh")
     assert_close(w1.grad, w2.grad, rtol=0, atol=0, name="dW")
+
+
+def test_vocab_chunk_argument_reaches_the_kernels(monkeypatch):
+    """vocab_chunk=N chunks by N columns; -1 reads TILECOMPILE_CE_VOCAB_CHUNK; the result does not depend on it."""
+    from tilecompile.kernels import fused_linear_ce as K
+
+    seen = []
+    real_fwd, real_bwd = K.fused_linear_logprob_fwd, K.fused_linear_logprob_bwd
+    monkeypatch.setattr(
+        K,
+        "fused_linear_logprob_fwd",
+        lambda *a, chunk, **k: seen.append(("f", chunk)) or real_fwd(*a, chunk=chunk, **k),
+    )
+    monkeypatch.setattr(
+        K,
+        "fused_linear_logprob_bwd",
+        lambda *a, chunk, **k: seen.append(("b", chunk)) or real_bwd(*a, chunk=chunk, **k),
+    )
+    h = torch.randn(9, 5, requires_grad=True)
+    w = torch.randn(50, 5, requires_grad=True)
+    y = torch.randint(0, 50, (9,))
+    outs = []
+    for chunk in (7, 0):
+        lp, ent = torch.ops.tilecompile.fused_linear_logprob(h, w, y, 1.0, -100, True, False, chunk)
+        (lp.sum() + ent.sum()).backward()
+        outs.append((lp.detach(), h.grad.clone(), w.grad.clone()))
+        h.grad = w.grad = None
+    assert seen == [("f", 7), ("b", 7), ("f", 0), ("b", 0)]
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("TILECOMPILE_CE_VOCAB_CHUNK", "11")
+    seen.clear()
+    torch.ops.tilecompile.fused_linear_logprob(h.detach(), w.detach(), y)
+    assert seen == [("f", 11)]
+    with pytest.raises(ValueError, match="vocab_chunk"):
+        torch.ops.tilecompile.fused_linear_logprob(h.detach(), w.detach(), y, 1.0, -100, True, False, -5)

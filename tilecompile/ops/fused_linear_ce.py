@@ -1,9 +1,11 @@
 """Custom ops for the fused lm_head -> log-prob / entropy / cross-entropy (kernels in tilecompile.kernels).
 
 ``torch.ops.tilecompile.fused_linear_logprob(h, weight, labels, temperature=1.0, ignore_index=-100,
-with_entropy=True, check_inputs=False) -> (logp, entropy)``: per token, z = h·Wᵀ / t, logp = z_y − logsumexp(z)
-(0 where labels == ignore_index), entropy = lse − Σ softmax(z)·z (every row, ignored or not), both fp32 with
-labels' shape; ``entropy`` is an empty [0] tensor when with_entropy=False. Differentiable in h and weight.
+with_entropy=True, check_inputs=False, vocab_chunk=-1) -> (logp, entropy)``: per token, z = h·Wᵀ / t,
+logp = z_y − logsumexp(z) (0 where labels == ignore_index), entropy = lse − Σ softmax(z)·z (every row, ignored
+or not), both fp32 with labels' shape; ``entropy`` is an empty [0] tensor when with_entropy=False.
+Differentiable in h and weight.
+``vocab_chunk``: vocabulary columns per chunk (0: automatic; -1: the TILECOMPILE_CE_VOCAB_CHUNK setting).
 
 How it is built: the public op is a CompositeImplicitAutograd op with exactly that schema that validates shapes,
 dtypes and temperature (all static, so it traces) and calls ``tilecompile::_fused_linear_logprob_fwd``, a
@@ -32,7 +34,7 @@ _LABEL_DTYPES = (torch.int32, torch.int64)
 _lib = torch.library.Library("tilecompile", "FRAGMENT")
 _lib.define(
     "fused_linear_logprob(Tensor h, Tensor weight, Tensor labels, float temperature=1.0, int ignore_index=-100, "
-    "bool with_entropy=True, bool check_inputs=False) -> (Tensor logp, Tensor entropy)"
+    "bool with_entropy=True, bool check_inputs=False, int vocab_chunk=-1) -> (Tensor logp, Tensor entropy)"
 )
 
 
@@ -71,8 +73,15 @@ def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
         )
 
 
-def _vocab_chunk() -> int:
-    return config.load().ce_vocab_chunk
+def _vocab_chunk(vocab_chunk: int) -> int:
+    """Columns per vocabulary chunk: the op's argument, or with -1 the ``ce_vocab_chunk`` setting (0: automatic).
+
+    The pass passes its compile's setting (so ``options={"ce_vocab_chunk": N}`` reaches the op); direct calls
+    default to -1 and read TILECOMPILE_CE_VOCAB_CHUNK.
+    """
+    if vocab_chunk < -1:
+        raise ValueError(f"vocab_chunk must be -1 (from the setting), 0 (automatic) or > 0, got {vocab_chunk}")
+    return config.load().ce_vocab_chunk if vocab_chunk == -1 else vocab_chunk
 
 
 def _flat(h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +106,7 @@ def _fused_linear_logprob_fwd(
     ignore_index: int,
     with_entropy: bool,
     check_inputs: bool,
+    vocab_chunk: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp, entropy or empty [0], lse) in fp32; lse has labels' shape (0 at rows that never needed it)."""
     _check_static(h, weight, labels, temperature)
@@ -106,7 +116,7 @@ def _fused_linear_logprob_fwd(
     h2, labels1 = _flat(h, labels)
     shape = labels.shape
     inv_t = 1.0 / float(temperature)
-    chunk = _vocab_chunk()
+    chunk = _vocab_chunk(vocab_chunk)
     rows = None if (h.is_cuda or with_entropy) else _active_rows(labels1, ignore_index)
     if rows is None:
         logp, ent, lse = K.fused_linear_logprob_fwd(h2, weight, labels1, inv_t, ignore_index, with_entropy, chunk=chunk)
@@ -125,7 +135,7 @@ def _fused_linear_logprob_fwd(
 
 
 @_fused_linear_logprob_fwd.register_fake
-def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs):
+def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, vocab_chunk=-1):
     _check_static(h, weight, labels, temperature)
     logp = labels.new_empty(labels.shape, dtype=torch.float32)
     ent = labels.new_empty(labels.shape if with_entropy else (0,), dtype=torch.float32)
@@ -146,6 +156,7 @@ def fused_linear_logprob_backward(
     ignore_index: int,
     need_grad_h: bool = True,
     need_grad_weight: bool = True,
+    vocab_chunk: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_h with h's shape, grad_weight [V, D]) in the input dtype; an empty [0] tensor for a grad not needed.
 
@@ -157,7 +168,7 @@ def fused_linear_logprob_backward(
     gent = grad_entropy.reshape(-1).float().contiguous() if grad_entropy is not None else None
     ent1 = entropy.reshape(-1).contiguous() if gent is not None else None
     inv_t = 1.0 / float(temperature)
-    chunk = _vocab_chunk()
+    chunk = _vocab_chunk(vocab_chunk)
     rows = None if (h.is_cuda or gent is not None) else _active_rows(labels1, ignore_index)
     if rows is None:
         dh, dw = K.fused_linear_logprob_bwd(
@@ -180,14 +191,14 @@ def fused_linear_logprob_backward(
 
 @fused_linear_logprob_backward.register_fake
 def _(h, weight, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, need_grad_h=True,
-      need_grad_weight=True):  # fmt: skip
+      need_grad_weight=True, vocab_chunk=-1):  # fmt: skip
     dh = h.new_empty(h.shape) if need_grad_h else h.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_grad_weight else weight.new_empty(0)
     return dh, dw
 
 
 def _setup_context(ctx, inputs, output):
-    h, weight, labels, temperature, ignore_index, with_entropy, _check = inputs
+    h, weight, labels, temperature, ignore_index, with_entropy, _check, vocab_chunk = inputs
     _logp, ent, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
@@ -195,6 +206,7 @@ def _setup_context(ctx, inputs, output):
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
     ctx.with_entropy = with_entropy
+    ctx.vocab_chunk = vocab_chunk
 
 
 def _backward(ctx, grad_logp, grad_ent, _grad_lse):
@@ -203,11 +215,12 @@ def _backward(ctx, grad_logp, grad_ent, _grad_lse):
     if not ctx.with_entropy:
         grad_ent = None
     if not (need_h or need_w):
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     dh, dw = torch.ops.tilecompile.fused_linear_logprob_backward(
-        h, weight, labels, lse, ent, grad_logp, grad_ent, ctx.temperature, ctx.ignore_index, need_h, need_w
-    )
-    return (dh if need_h else None), (dw if need_w else None), None, None, None, None, None
+        h, weight, labels, lse, ent, grad_logp, grad_ent, ctx.temperature, ctx.ignore_index, need_h, need_w,
+        ctx.vocab_chunk,
+    )  # fmt: skip
+    return (dh if need_h else None), (dw if need_w else None), None, None, None, None, None, None
 
 
 _fused_linear_logprob_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -221,11 +234,13 @@ def _fused_linear_logprob(
     ignore_index: int = -100,
     with_entropy: bool = True,
     check_inputs: bool = False,
+    vocab_chunk: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_static(h, weight, labels, temperature)
     logp, ent, _lse = torch.ops.tilecompile._fused_linear_logprob_fwd(
-        h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), bool(check_inputs)
-    )
+        h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), bool(check_inputs),
+        int(vocab_chunk),
+    )  # fmt: skip
     return logp, ent
 
 
