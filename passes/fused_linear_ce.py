@@ -131,7 +131,6 @@ class _Region:
     linear: G.Linear
     values: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     order: list[fx.Node] = dataclasses.field(default_factory=list)  # region nodes in graph order
-    inplace: list[fx.Node] = dataclasses.field(default_factory=list)
     softmax_family: bool = False
     rejected: str | None = None
 
@@ -371,7 +370,6 @@ class _Analysis:
         r.values[x] = scaled
         r.values[node] = scaled
         r.order.append(node)
-        r.inplace.append(node)
         return "inplace"
 
     def leading_only(self, node: fx.Node, name: str | None, x: fx.Node) -> bool:
@@ -1016,6 +1014,7 @@ def _fused_op() -> tuple[Any, str | None]:
 
 
 def find(gm: fx.GraphModule) -> list[_Region]:
+    """Every linear whose output reaches a softmax, logsumexp or cross-entropy, with its analysed region."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = []
     for node in gm.graph.nodes:
@@ -1029,6 +1028,7 @@ def find(gm: fx.GraphModule) -> list[_Region]:
 
 
 def check(r: _Region) -> tuple[list[fx.Node], str | None]:
+    """(the region's nodes whose values are used outside it, None), or ([], the reason it cannot be rewritten)."""
     for reason in (r.rejected, _check_linear(r)):
         if reason:
             return [], reason
@@ -1041,6 +1041,7 @@ def check(r: _Region) -> tuple[list[fx.Node], str | None]:
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Rewrite every lm_head region of ``gm`` that passes the checks; report the others with their reasons."""
     result = PassResult()
     regions = find(gm)
     if not regions:
@@ -1055,7 +1056,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             try:
                 result.rewrites.append(_rewrite(gm, r, escapes, ctx.settings.check_inputs, op))
                 continue
-            except _Reject as exc:  # raised before the graph is changed (hoisting only moves pure nodes)
+            except _Reject as exc:  # _rewrite removed what it had inserted (hoisting only moved pure nodes)
                 reason = str(exc)
         result.skipped.append(R.Skip(NAME, candidate, where, reason))
     return result
