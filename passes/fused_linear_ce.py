@@ -244,7 +244,12 @@ class _Analysis:
         if name in ("mul", "div", "add", "sub", "neg"):
             return self.arith(node, name)
         if name in ("squeeze", "unsqueeze") and isinstance(xv, Row):
-            return self.row_dims(node, name, x, xv)
+            out = self.row_dims(node, name, x, xv)
+            if out is not None:
+                return out
+        if name in _RESHAPES and isinstance(xv, Row) and _static(G.shape(node)) and _static(G.shape(x)):
+            # per-row values of a reshaped view of the same rows (materialised with a static reshape)
+            return Row(xv.base, xv.terms, False)
         if name == "contiguous" and isinstance(xv, Vocab | Row):
             return xv
         if name == "stack":

@@ -135,6 +135,12 @@ def lp_nll_loss(m, h, y):
     return -F.nll_loss(logp, y.flatten(), reduction="none")
 
 
+def lp_lse_of_flat_view(m, h, y):
+    z = m.lm_head(h)
+    lse = z.view(-1, V).logsumexp(-1).view(y.shape)
+    return z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
+
+
 def entropy_verl(m, h, y):
     z = m.lm_head(h)
     pd = F.softmax(z, dim=-1)
@@ -254,6 +260,7 @@ def lp_trl_fp32(m, h, y):
         lp_minus_keepdim_logsumexp,
         lp_neg_cross_entropy,
         lp_nll_loss,
+        lp_lse_of_flat_view,
         entropy_verl,
         entropy_p_logp,
         entropy_exp_logp,
