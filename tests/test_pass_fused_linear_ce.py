@@ -474,6 +474,36 @@ def test_tied_embedding_weight():
     assert_grads_close(model, reference, rtol=1e-5, atol=1e-6)
 
 
+def test_policy_and_reference_heads_in_one_graph():
+    """DPO-style: two lm_heads on the same labels, the reference one under no_grad: two regions, two rewrites."""
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.policy = torch.nn.Linear(D, V, bias=False)
+            self.reference = torch.nn.Linear(D, V, bias=False)
+
+        def forward(self, h, y):
+            logp = lp_of(self.policy(h), y)
+            with torch.no_grad():
+                ref = lp_of(self.reference(h), y)
+            return -F.logsigmoid(0.1 * (logp - ref).sum(-1)).mean()
+
+    torch.manual_seed(0)
+    model, h, y = Two(), torch.randn(4, 6, D), torch.randint(0, V, (4, 6))
+    reference = copy.deepcopy(model)
+    out = torch.compile(model, backend="tilecompile", options=OPTIONS)(h, y)
+    ref = reference(h, y)
+    rep = tilecompile.report()
+    assert rep.counts["fused_linear_ce"] == 2, rep
+    assert sorted(r.module_path for r in rep.rewrites) == ["policy", "reference"]
+    assert_close(out, ref, rtol=1e-5, atol=1e-6, name="loss")
+    out.backward()
+    ref.backward()
+    assert_grads_close(model, reference, rtol=1e-5, atol=1e-7)
+    assert model.reference.weight.grad is None
+
+
 def test_rewritten_graph_does_not_match_again():
     torch.manual_seed(0)
     settings = config.load(OPTIONS)
