@@ -398,6 +398,17 @@ def test_no_grad_step_runs_the_forward_only():
         assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
+def test_labels_computed_after_the_first_use_are_moved_up():
+    def spelling(m, h, y):
+        z = m.lm_head(h)
+        mean_entropy = entropy_of(z).mean()
+        labels = torch.roll(y, shifts=-1, dims=1)  # computed after mean_entropy, where the fused call goes
+        return lp_of(z, labels) * mean_entropy
+
+    compile_and_compare(spelling)
+    assert "1 fused call" in tilecompile.report().rewrites[0].detail
+
+
 def test_tensor_temperature_scales_h():
     compile_and_compare(temperature_tensor, extra=(torch.tensor(0.8),))
     assert "folded into h" in tilecompile.report().rewrites[0].detail
