@@ -25,6 +25,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from hypothesis import strategies as st
 from torch import nn
 
@@ -237,6 +238,7 @@ class MLPSpec:
     bias: bool = False
     near_miss: str | None = None
     autocast: bool = False  # the whole MLP under torch.autocast("cpu", bfloat16) (fp32 inputs only)
+    checkpoint: bool = False  # the MLP inside torch.utils.checkpoint (a nested graph under Dynamo)
 
     @property
     def fires(self) -> int:
@@ -292,6 +294,11 @@ class GatedMLP(nn.Module):
         return torch.relu(g)
 
     def forward(self, x: torch.Tensor, x2: torch.Tensor | None = None) -> tuple:
+        if self.spec.checkpoint:
+            return torch.utils.checkpoint.checkpoint(self.maybe_autocast, x, x2, use_reentrant=False)
+        return self.maybe_autocast(x, x2)
+
+    def maybe_autocast(self, x: torch.Tensor, x2: torch.Tensor | None) -> tuple:
         if self.spec.autocast and not self.reference:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return self.mlp(x, x2)
@@ -407,14 +414,19 @@ def mlp_specs(draw, *, near_miss: bool = False, autocast_ok: bool = False) -> ML
     split = draw(st.sampled_from(MLP_SPLITS))
     if miss == "different_inputs":
         split = "separate"
+    linear, bias = draw(st.sampled_from(MLP_LINEARS)), draw(st.booleans())
+    # autocast with a bias added separately (x @ w.t() + b) is left out: the rewrite returns bf16 where eager
+    # returns fp32 (pinned as a strict xfail in tests/test_fuzz_regressions.py)
+    autocast = autocast_ok and draw(st.integers(0, 4)) == 0 and not (bias and linear not in ("module", "F.linear"))
     return MLPSpec(
-        linear=draw(st.sampled_from(MLP_LINEARS)),
+        linear=linear,
         act=draw(st.sampled_from(sorted(MLP_ACTIVATIONS))),
         split=split,
         act_first=draw(st.booleans()),
-        bias=draw(st.booleans()),
+        bias=bias,
         near_miss=miss,
-        autocast=autocast_ok and draw(st.integers(0, 4)) == 0,
+        autocast=autocast,
+        checkpoint=draw(st.integers(0, 4)) == 0,
     )
 
 

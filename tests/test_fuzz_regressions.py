@@ -93,3 +93,24 @@ def test_ce_vocab_chunk_option_reaches_the_op(monkeypatch):
     fn(h, w, y).backward()
     assert tilecompile.report().counts["fused_linear_ce"] == 1
     assert requested and set(requested) == {7}, requested
+
+
+def _mlp_bias_added_under_autocast(x, wg, bg, wu, bu, wd, bd):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return (F.silu(x @ wg.t() + bg) * (x @ wu.t() + bu)) @ wd.t() + bd
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tiled_mlp: under autocast, 'x @ w.t() + b' is bf16 matmul + fp32 bias = fp32, so the pass sees an fp32 "
+    "MLP (compute=float32) and rewrites it; at run time the op's autocast kernel casts everything to bf16 and the "
+    "output is bf16 where eager's is fp32",
+)
+def test_autocast_mlp_with_bias_added_separately_keeps_dtype():
+    """x [2, 3], I = 4, biases added after the matmuls, inside torch.autocast("cpu", bfloat16): eager gives fp32."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=g) for s in ((2, 3), (4, 3), (4,), (4, 3), (4,), (3, 4), (3,))]
+    fn = torch.compile(_mlp_bias_added_under_autocast, backend="tilecompile", options=compile_options(), fullgraph=True)
+    out, ref = fn(*args), _mlp_bias_added_under_autocast(*args)
+    assert out.dtype == ref.dtype == torch.float32, (out.dtype, ref.dtype, str(tilecompile.report()))
+    assert_close(out, ref, rtol=2e-2, atol=2e-2, name="y")
