@@ -159,6 +159,24 @@ def _same_shape(a: tuple | None, b: tuple | None) -> bool:
     return a is not None and b is not None and [str(s) for s in a] == [str(s) for s in b]
 
 
+def _equal_sizes(a: tuple | None, b: tuple | None) -> bool:
+    """Equal shapes; symbolic sizes that are equal now but not provably (``s0`` and ``s1 - 1``) are made so by a
+    guard, so a later call where they differ recompiles (and skips) instead of running this rewrite."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, int) and isinstance(y, int):
+            if x != y:
+                return False
+        elif str(x) != str(y):
+            try:
+                if not bool(x == y):  # a SymBool: evaluating it installs the guard
+                    return False
+            except Exception:  # noqa: BLE001 - unbacked or otherwise undecidable: not equal for us
+                return False
+    return True
+
+
 class _Analysis:
     """Walks forward from one linear, giving each node it understands an abstract value."""
 
@@ -251,6 +269,15 @@ class _Analysis:
             # per-row values of a reshaped view of the same rows (materialised with a static reshape)
             return Row(xv.base, xv.terms, False)
         if name == "contiguous" and isinstance(xv, Vocab | Row):
+            return xv
+        if (
+            name in _RESHAPES
+            and isinstance(xv, Vocab)
+            and _static(G.shape(node))
+            and _static(G.shape(x))
+            and self.leading_only(node, name, x)
+        ):
+            # a reshaped view of the same rows: log_softmax(z).reshape(-1, V) (outputs are reshaped back)
             return xv
         if name == "stack":
             return self.stack_rows(node)
@@ -427,7 +454,7 @@ class _Analysis:
         if not isinstance(index, fx.Node) or index in r.values or not _dim_is_last(dim, _ndim(x)):
             return None
         xs, ishape = G.shape(x), G.shape(index)
-        if not ishape or G.hint(ishape[-1]) != 1 or not _same_shape(ishape[:-1], xs[:-1]):
+        if not ishape or G.hint(ishape[-1]) != 1 or not _equal_sizes(ishape[:-1], xs[:-1]):
             raise _Reject(
                 f"{node.name} gathers index of shape {ishape} from logits of shape {xs}: only one label per row is "
                 "supported"
@@ -468,7 +495,7 @@ class _Analysis:
         if ldt not in _LABEL_DTYPES:
             raise _Reject(f"{where}: label dtype {ldt} is not int32/int64")
         xs = G.shape(x)
-        if len(xs or ()) != 2 or not _same_shape(G.shape(labels), xs[:-1]):
+        if len(xs or ()) != 2 or not _equal_sizes(G.shape(labels), xs[:-1]):
             raise _Reject(
                 f"{where}: logits of shape {xs} with labels of shape {G.shape(labels)} (needs [N, V] and [N])"
             )

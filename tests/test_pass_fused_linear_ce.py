@@ -409,6 +409,33 @@ def test_labels_computed_after_the_first_use_are_moved_up():
     assert "1 fused call" in tilecompile.report().rewrites[0].detail
 
 
+def test_reshaped_log_softmax_into_nll_loss():
+    def spelling(m, h, y):
+        logp = F.log_softmax(m.lm_head(h), dim=-1)
+        return F.nll_loss(logp.reshape(-1, V), y.reshape(-1)), logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+    compile_and_compare(spelling)
+    assert "1 fused call" in tilecompile.report().rewrites[0].detail
+
+
+def test_dynamic_labels_length_equal_only_at_run_time():
+    """labels = y[:, 1:] with y one longer than h: the sizes s0 and s1 - 1 are equal only at run time. The rewrite
+    guards on it; a call where they differ recompiles and is left unfused (gather then takes a sub-block)."""
+
+    def spelling(m, h, y):
+        return lp_of(m.lm_head(h), y[:, 1:])
+
+    torch.manual_seed(0)
+    model = Head(spelling)
+    compiled = torch.compile(model, backend="tilecompile", options=OPTIONS, dynamic=True)
+    for batch, seq, seq_y in ((2, 5, 6), (3, 7, 8), (2, 6, 6)):
+        h, y = torch.randn(batch, seq, D), torch.randint(0, V, (batch, seq_y))
+        assert_close(compiled(h, y), model(h, y), rtol=1e-5, atol=1e-6)
+    rep = tilecompile.report()
+    assert rep.counts["fused_linear_ce"] == 1 and rep.graphs == 2, rep
+    assert "one label per row" in rep.skipped[0].reason
+
+
 def test_tensor_temperature_scales_h():
     compile_and_compare(temperature_tensor, extra=(torch.tensor(0.8),))
     assert "folded into h" in tilecompile.report().rewrites[0].detail
