@@ -191,7 +191,11 @@ def check_shapes(m: GatedMLP) -> str | None:
 
 
 def check_dtypes(m: GatedMLP) -> str | None:
-    inner = {G.dtype(n) for n in (m.gate.node, m.up.node, m.act.node, m.mul, m.down.node)}
+    # Every computed value in the region, not only the named steps: under autocast ``x @ w.t() + b`` is a bf16
+    # matmul and an fp32 add, a precision chain the op (one compute dtype) would not reproduce. Views and casts
+    # of the weights keep the weights' dtype and are left out.
+    computed = [n for n in m.region if G.graph_input(n) is None and isinstance(G.example_value(n), torch.Tensor)]
+    inner = {G.dtype(n) for n in (m.gate.node, m.up.node, m.act.node, m.mul, m.down.node, *computed)}
     if len(inner) != 1 or None in inner:
         return f"mixed dtypes inside the MLP ({', '.join(sorted(str(d) for d in inner))}): casts the op would drop"
     compute = inner.pop()
