@@ -54,7 +54,7 @@ _SPELLING_OPS = frozenset(
 
 _ADVICE = (
     "compile the function that computes the loss from the model's outputs (so the logits stay inside the graph "
-    "and have no other use), not only the model"
+    "and have no other use), not only the model, and keep graph breaks out of the way between the two"
 )
 
 
