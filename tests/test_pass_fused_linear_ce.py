@@ -287,11 +287,12 @@ def test_spelling_fires_and_matches_eager(spelling):
     shift=st.booleans(),
     upcast=st.booleans(),
     temperature=st.sampled_from([None, "div", "mul", "inplace", "tensor"]),
-    logp=st.sampled_from([None, "log_softmax", "gather_lse", "ce_none"]),
+    logp=st.sampled_from([None, "log_softmax", "gather_lse", "ce_none", "flat_lse", "nll_reshaped"]),
     entropy=st.sampled_from([None, "verl", "p_logp", "exp_logp"]),
+    entropy_no_grad=st.booleans(),
     ce=st.sampled_from([None, "mean", "sum"]),
 )
-def test_combinations_of_spellings(shift, upcast, temperature, logp, entropy, ce):
+def test_combinations_of_spellings(shift, upcast, temperature, logp, entropy, entropy_no_grad, ce):
     """Any mix of producer steps and consumers on the same logits: one rewrite, eager's outputs and grads."""
     assume(logp or entropy or ce)
     tilecompile.reset()
@@ -318,13 +319,18 @@ def test_combinations_of_spellings(shift, upcast, temperature, logp, entropy, ce
             outs.append(z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1))
         elif logp == "ce_none":
             outs.append(-F.cross_entropy(z.reshape(-1, V), y.reshape(-1), reduction="none"))
-        if entropy == "verl":
-            outs.append(entropy_of(z))
-        elif entropy == "p_logp":
-            outs.append(-(F.softmax(z, -1) * F.log_softmax(z, -1)).sum(-1))
-        elif entropy == "exp_logp":
-            lp = z.log_softmax(-1)
-            outs.append(-(lp.exp() * lp).sum(-1))
+        elif logp == "flat_lse":
+            outs.append(z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - z.reshape(-1, V).logsumexp(-1).view(y.shape))
+        elif logp == "nll_reshaped":
+            outs.append(-F.nll_loss(z.log_softmax(-1).reshape(-1, V), y.reshape(-1), reduction="none"))
+        with torch.set_grad_enabled(not entropy_no_grad):
+            if entropy == "verl":
+                outs.append(entropy_of(z))
+            elif entropy == "p_logp":
+                outs.append(-(F.softmax(z, -1) * F.log_softmax(z, -1)).sum(-1))
+            elif entropy == "exp_logp":
+                lp = z.log_softmax(-1)
+                outs.append(-(lp.exp() * lp).sum(-1))
         if ce:
             outs.append(F.cross_entropy(z.reshape(-1, V), y.reshape(-1), reduction=ce))
         return tuple(outs)
