@@ -817,11 +817,11 @@ def temperature_of(chain: Chain) -> float:
     return 1.0 / chain.scale
 
 
-def _rewrite(gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], check_inputs: bool, op: Any) -> R.Rewrite:
+def _rewrite(gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], settings: Any, op: Any) -> R.Rewrite:
     """Insert the fused calls, rebuild each escaping value, erase the region; on _Reject nothing is left behind."""
     new: list[fx.Node] = []
     try:
-        return _rewrite_region(gm, r, escapes, check_inputs, op, new)
+        return _rewrite_region(gm, r, escapes, settings, op, new)
     except _Reject:
         for node in reversed(new):
             if not node.users:
@@ -829,7 +829,7 @@ def _rewrite(gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], check_input
         raise
 
 
-def _rewrite_region(gm, r, escapes, check_inputs, op, new: list[fx.Node]) -> R.Rewrite:
+def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewrite:
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(r.values)
@@ -920,9 +920,10 @@ def _rewrite_region(gm, r, escapes, check_inputs, op, new: list[fx.Node]) -> R.R
                         labels = b.call(torch.squeeze, labels, -1)
             with_entropy = base in needs_entropy and out["entropy"] is None
             ls = G.shape(labels)
-            fused = b.call(
-                op, hb, weight, labels, float(temperature_of(chain)), int(ignore), with_entropy, check_inputs
-            )
+            args = [hb, weight, labels, float(temperature_of(chain)), int(ignore), with_entropy, settings.check_inputs]
+            if "vocab_chunk" in [a.name for a in op._schema.arguments]:
+                args.append(int(settings.ce_vocab_chunk))  # this compile's setting, options= included
+            fused = b.call(op, *args)
             with fake_mode:
                 expected = (
                     torch.empty(ls, dtype=torch.float32, device=device),
@@ -1086,7 +1087,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         reason = reason or unavailable
         if reason is None:
             try:
-                result.rewrites.append(_rewrite(gm, r, escapes, ctx.settings.check_inputs, op))
+                result.rewrites.append(_rewrite(gm, r, escapes, ctx.settings, op))
                 continue
             except _Reject as exc:  # _rewrite removed what it had inserted (hoisting only moved pure nodes)
                 reason = str(exc)

@@ -483,13 +483,16 @@ def test_equal_casts_share_one_call():
     assert call.args[5] is True
 
 
-def test_check_inputs_and_temperature_reach_the_op():
+def test_small_vocab_chunks_match_eager():
+    compile_and_compare(logp_entropy_ce_together, options={"ce_vocab_chunk": 8})  # 37 = 4 chunks of 8 and a tail
+
+
+def test_settings_and_temperature_reach_the_op():
     torch.manual_seed(0)
-    graphs = compiled_graphs(
-        Head(temperature_div), torch.randn(2, 4, D), torch.randint(0, V, (2, 4)), check_inputs=True
-    )
+    h, y = torch.randn(2, 4, D), torch.randint(0, V, (2, 4))
+    graphs = compiled_graphs(Head(temperature_div), h, y, check_inputs=True, ce_vocab_chunk=16)
     (call,) = fused_calls(graphs[0])
-    assert call.args[6] is True
+    assert call.args[6] is True and call.args[7] == 16
     assert math.isclose(call.args[3], 0.7)
 
 
