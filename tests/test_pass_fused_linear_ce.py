@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 
 import pytest
 import torch
@@ -864,3 +865,23 @@ def test_hf_model_bf16_on_gpu():
         err = (p.grad.double() - q.grad.double()).norm() / q.grad.double().norm().clamp_min(1e-12)
         eager_err = (e.grad.double() - q.grad.double()).norm() / q.grad.double().norm().clamp_min(1e-12)
         assert err <= 2 * eager_err + 1e-2, (name, err.item(), eager_err.item())
+
+
+# ------------------------------------------------------------------------------------------ graph.py helpers
+
+
+def test_eliminate_dead_code_keeps_in_place_calls():
+    def f(x):
+        y = x * 2
+        y.div_(3)  # no users, but it changes y
+        unused = x + 1  # noqa: F841 - dead
+        return y.sum()
+
+    gm = fx.symbolic_trace(f)
+    G.eliminate_dead_code(gm.graph)
+    gm.recompile()
+    assert [n.target for n in gm.graph.nodes if n.op == "call_method"] == ["div_", "sum"]
+    assert not any(n.target is operator.add for n in gm.graph.nodes)
+    x = torch.randn(4)
+    assert_close(gm(x), f(x), rtol=0, atol=0)
+    assert G.is_inplace(next(n for n in gm.graph.nodes if n.target == "div_"))
