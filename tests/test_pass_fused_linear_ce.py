@@ -170,6 +170,13 @@ def ce_mean_ignore_7(m, h, y):
     return F.cross_entropy(m.lm_head(h).view(-1, V).float(), y.view(-1), ignore_index=7, reduction="mean")
 
 
+CE_MODULE = torch.nn.CrossEntropyLoss(ignore_index=-100, reduction="sum")
+
+
+def ce_module(m, h, y):
+    return CE_MODULE(m.lm_head(h).flatten(0, -2), y.flatten())
+
+
 def ce_hf_mean(m, h, y):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -339,7 +346,7 @@ def test_combinations_of_spellings(shift, upcast, temperature, logp, entropy, en
     compile_and_compare(spelling, extra=(torch.tensor(0.8),))
 
 
-@pytest.mark.parametrize("spelling", [ce_mean, ce_sum, ce_mean_ignore_7, ce_hf_mean, ce_hf_num_items])
+@pytest.mark.parametrize("spelling", [ce_mean, ce_sum, ce_mean_ignore_7, ce_module, ce_hf_mean, ce_hf_num_items])
 def test_cross_entropy_reductions_with_ignored_labels(spelling):
     if spelling in (ce_hf_mean, ce_hf_num_items):
         pytest.importorskip("transformers")
