@@ -183,7 +183,7 @@ def check_shapes(m: GatedMLP) -> str | None:
     if not (_same(g, u) and _same(g, h)):
         return f"gate {list(g)} and up {list(u)} outputs differ from their product {list(h)} (broadcasting)"
     inter = _rows(m.gate)
-    if _rows(m.up) != inter or not _same(wg[1:], wu[1:]) or not _same(wd[1:], (inter,)):
+    if not _same((_rows(m.up),), (inter,)) or not _same(wg[1:], wu[1:]) or not _same(wd[1:], (inter,)):
         return f"weights do not chain: gate {list(wg)}, up {list(wu)}, down {list(wd)}"
     if not _same(x[-1:], wg[1:]) or not _same(y[:-1], x[:-1]) or not _same(y[-1:], wd[:1]):
         return f"x {list(x)} -> out {list(y)} does not fit weights gate {list(wg)}, down {list(wd)}"
@@ -227,15 +227,16 @@ def _tokens(x: fx.Node) -> int | None:
     return None if None in sizes else math.prod(sizes)
 
 
-def _rows(p: Projection) -> int | None:
+def _rows(p: Projection):
+    """The intermediate size I a projection produces: an int, or the weight's own (possibly symbolic) size."""
     if p.sliced:
         return p.stop - p.start
-    return G.hint(G.shape(p.linear.weight)[0])
+    return G.shape(p.linear.weight)[0]
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    """Equal sizes: the same int, or the same symbolic expression (not merely equal hints)."""
-    return len(a) == len(b) and all(str(i) == str(j) for i, j in zip(a, b))
+    """Equal sizes: provably equal for every value the symbols may take (never merely equal hints)."""
+    return G.same_shape(a, b)
 
 
 # --------------------------------------------------------------------------------------------------- rewrite

@@ -447,3 +447,24 @@ def is_inplace(node: fx.Node) -> bool:
 def eliminate_dead_code(graph: fx.Graph) -> bool:
     """``graph.eliminate_dead_code()`` that keeps in-place calls with no users (FX would drop ``x.div_(t)``)."""
     return graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_inplace(n))
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Two (possibly symbolic) sizes are equal for every value their symbols may take; equal hints don't count.
+
+    ``(s**2)//s`` and ``s`` are the same size; the shape environment proves it without adding a guard.
+    """
+    if str(a) == str(b):
+        return True
+    if isinstance(a, int) and isinstance(b, int):
+        return False
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(same_size(i, j) for i, j in zip(a, b))

@@ -152,7 +152,7 @@ def _compare(node: fx.Node, actual: Any, expected: Any) -> None:
     if len(a) != len(e):
         raise PassFailed(f"{node.name}: produces {len(a)} tensors, the graph expects {len(e)}")
     for i, (x, y) in enumerate(zip(a, e)):
-        if x.dtype != y.dtype or [str(s) for s in x.shape] != [str(s) for s in y.shape]:
+        if x.dtype != y.dtype or not G.same_shape(tuple(x.shape), tuple(y.shape)):
             raise PassFailed(
                 f"{node.name} output {i}: got {tuple(x.shape)} {x.dtype}, the graph expects {tuple(y.shape)} {y.dtype}"
             )
