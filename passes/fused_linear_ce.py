@@ -48,6 +48,9 @@ _LABEL_DTYPES = (torch.int32, torch.int64)
 # a gather-based log-prob has no ignored rows (gather on a negative label fails in eager): any negative index will do
 _ANY_NEGATIVE = "any-negative"
 _DEFAULT_IGNORE = -100
+# the ignore_index a lone gather gets: no label equals it, so a negative label is the op's out-of-range error (as
+# eager's gather raises) instead of a silent log-prob of 0
+_NO_IGNORE = -(2**63)
 _SPELLING_OPS = frozenset(
     {"log_softmax", "softmax", "logsumexp", "exp", "gather", "take_along_dim", "cross_entropy", "nll_loss"}
 )
@@ -911,7 +914,7 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
                 labels, ignore = b.call(torch.full_like, first, _DEFAULT_IGNORE, dtype=torch.int64), _DEFAULT_IGNORE
             else:
                 labels, ignore = key
-                ignore = _DEFAULT_IGNORE if ignore == _ANY_NEGATIVE else ignore
+                ignore = _NO_IGNORE if ignore == _ANY_NEGATIVE else ignore
                 lead = G.shape(hb)[:-1]
                 if not _same_shape(G.shape(labels), lead):
                     if _static(G.shape(labels)) and _static(lead):  # labels of a reshaped view of these rows

@@ -400,3 +400,19 @@ def test_vocab_chunk_argument_reaches_the_kernels(monkeypatch):
     assert seen == [("f", 11)]
     with pytest.raises(ValueError, match="vocab_chunk"):
         torch.ops.tilecompile.fused_linear_logprob(h.detach(), w.detach(), y, 1.0, -100, True, False, -5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ignore_index_int64_min_ignores_nothing(device):
+    """The pass hands a lone gather ignore_index = -2**63 (no label equals it): same result as -100 without -100s,
+    and a negative label is the out-of-range error (checked on CUDA with check_inputs)."""
+    h = torch.randn(33, 40, device=device)
+    w = torch.randn(70, 40, device=device)
+    y = torch.randint(0, 70, (33,), device=device)
+    a = torch.ops.tilecompile.fused_linear_logprob(h, w, y, 1.0, -(2**63), True, True)
+    b = torch.ops.tilecompile.fused_linear_logprob(h, w, y, 1.0, -100, True, True)
+    for x, z in zip(a, b):
+        torch.testing.assert_close(x, z, rtol=1e-6, atol=1e-6)
+    y[3] = -100
+    with pytest.raises(ValueError, match="out of range"):
+        torch.ops.tilecompile.fused_linear_logprob(h, w, y, 1.0, -(2**63), True, True)
