@@ -29,11 +29,12 @@ import os
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, rel_err
 
 hypothesis = pytest.importorskip("hypothesis")
 from fuzz_strategies import (  # noqa: E402
     DTYPES,
+    MLP_ACTIVATIONS,
     Block,
     CESpec,
     GatedMLP,
@@ -88,6 +89,7 @@ class Run:
     env: dict = dataclasses.field(default_factory=dict)
     seed: int = 0
     tol_dtype: torch.dtype | None = None  # the compute dtype when it differs from the inputs' (autocast)
+    kink: bool = False  # a ReLU: grads jump where a pre-activation's sign rounds differently (see check_grad)
 
 
 @contextlib.contextmanager
@@ -158,7 +160,7 @@ def check_tensor(name: str, got: torch.Tensor, eager: torch.Tensor, ref: torch.T
     assert_close(g, r, rtol=0, atol=tol, name=f"{name} (vs fp64; eager err {(e - r).abs().max().item():.3g})")
 
 
-def check_grad(name: str, got, eager, ref, dtype, *, per_token: bool) -> None:
+def check_grad(name: str, got, eager, ref, dtype, *, per_token: bool, kink: bool = False) -> None:
     """Gradients: as ``check_tensor`` where both are finite; non-finite entries may differ inside what eager has
     poisoned too (IEEE detail: eager's inf - inf in one column can stay 0 · inf = finite in another, while the fused
     op's row is NaN). Token-indexed grads (``per_token``): a non-finite entry only in a token row eager has a
@@ -176,7 +178,15 @@ def check_grad(name: str, got, eager, ref, dtype, *, per_token: bool) -> None:
         idx = tuple(int(i) for i in bad.nonzero()[0])
         raise AssertionError(f"{name}: non-finite at {idx} where eager is finite ({e[idx].item()}) and not poisoned")
     keep = torch.isfinite(e) & torch.isfinite(g)
-    check_tensor(name, torch.where(keep, got.detach(), 0), torch.where(keep, eager.detach(), 0), ref.detach(), dtype)
+    got_k, eager_k = torch.where(keep, got.detach(), 0), torch.where(keep, eager.detach(), 0)
+    if kink:
+        # ReLU'(g) flips where g is within rounding of 0, and the op rounds g once (addmm) where eager may round
+        # twice (matmul, then + bias): single elements then differ by O(1). Compare the whole tensor instead.
+        ref_k = torch.where(keep, ref.detach().double(), 0)
+        bound = 2 * rel_err(eager_k, ref_k) + (0.05 if dtype == torch.float32 else 0.25)
+        assert rel_err(got_k, ref_k) <= bound, f"{name}: rel err {rel_err(got_k, ref_k):.3g} > {bound:.3g} (ReLU)"
+        return
+    check_tensor(name, got_k, eager_k, ref.detach(), dtype)
 
 
 def execute(run: Run) -> tilecompile.Report:
@@ -218,9 +228,8 @@ def execute(run: Run) -> tilecompile.Report:
             for k in c_grads:
                 token_grad = k.removeprefix("grad ") in raw
                 tol = run.tol_dtype or run.dtype
-                check_grad(
-                    f"call {call} {tuple(lead)} {k}", c_grads[k], e_grads[k], r_grads[k], tol, per_token=token_grad
-                )
+                name = f"call {call} {tuple(lead)} {k}"
+                check_grad(name, c_grads[k], e_grads[k], r_grads[k], tol, per_token=token_grad, kink=run.kink)
     rep = tilecompile.report()
     assert not rep.failures, rep
     assert rep.graphs >= 1, rep
@@ -474,6 +483,7 @@ def mlp_run(spec: MLPSpec, mi: MLPInputs, dtype, layout: Layout, no_grad: bool, 
         no_grad=no_grad,
         frozen=mi.frozen,
         options={"mlp_chunk_tokens": mi.chunk_tokens, "mlp_grad_accum": mi.grad_accum},
+        kink=MLP_ACTIVATIONS[spec.act] == "relu" and spec.near_miss != "tanh",
         seed=seed,
         tol_dtype=torch.bfloat16 if spec.autocast else None,
     )
@@ -544,6 +554,7 @@ def test_block_both_passes_fire(case):
             make_inputs=make,
             expected={"tiled_mlp": mlp.fires, "fused_linear_ce": 1},
             known_gaps=ce_known_gaps(ce),
+            kink=MLP_ACTIVATIONS[mlp.act] == "relu",
             grad_inputs=grad_inputs,
             seed=seed,
         )
