@@ -923,9 +923,9 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
                         labels = b.call(torch.squeeze, labels, -1)
             with_entropy = base in needs_entropy and out["entropy"] is None
             ls = G.shape(labels)
-            args = [hb, weight, labels, float(temperature_of(chain)), int(ignore), with_entropy, settings.check_inputs]
-            if "vocab_chunk" in [a.name for a in op._schema.arguments]:
-                args.append(int(settings.ce_vocab_chunk))  # this compile's setting, options= included
+            # the chunk setting of this compile (options= included), not the op's default read from the env
+            args = [hb, weight, labels, float(temperature_of(chain)), int(ignore), with_entropy, settings.check_inputs,
+                    int(settings.ce_vocab_chunk)]  # fmt: skip
             fused = b.call(op, *args)
             with fake_mode:
                 expected = (
