@@ -136,6 +136,12 @@ class _Region:
     order: list[fx.Node] = dataclasses.field(default_factory=list)  # region nodes in graph order
     softmax_family: bool = False
     rejected: str | None = None
+    # bases that are not chain nodes: a dynamic reshape of a log-softmax, whose rows are the chain's rows reshaped
+    chains: dict[fx.Node, Chain] = dataclasses.field(default_factory=dict)
+
+    def chain(self, base: fx.Node) -> Chain | None:
+        v = self.values.get(base)
+        return v if isinstance(v, Chain) else self.chains.get(base)
 
     @property
     def vocab(self) -> int:
@@ -282,6 +288,10 @@ class _Analysis:
         ):
             # a reshaped view of the same rows: log_softmax(z).reshape(-1, V) (outputs are reshaped back)
             return xv
+        if name in ("view", "reshape", "flatten") and isinstance(xv, Vocab) and self.leading_only(node, name, x):
+            # the same under dynamic shapes, where sizes cannot be compared: the reshape joins the base's chain
+            # (replayed on h), so that the rows of the new base are the rows of this view
+            return Vocab(self.reshaped_base(node, xv.base), xv.form, xv.soft)
         if name == "stack":
             return self.stack_rows(node)
         return None
@@ -295,7 +305,7 @@ class _Analysis:
         parent, merged, keepdim = None, None, None
         for i, item in enumerate(items):
             v = r.values.get(item) if isinstance(item, fx.Node) else None
-            chain = r.values.get(v.base) if isinstance(v, Row) else None
+            chain = r.chain(v.base) if isinstance(v, Row) else None
             if not isinstance(chain, Chain) or not chain.replay:
                 return None
             core = _core(chain.replay)
@@ -339,6 +349,13 @@ class _Analysis:
         static = _static(G.shape(node))
         replay = _core(v.replay) if static else v.replay
         return self.bases.setdefault((replay, v.scale, v.tensor_scales, static), node)
+
+    def reshaped_base(self, node: fx.Node, base: fx.Node) -> fx.Node:
+        c = self.r.chain(base)
+        chain = Chain((*c.replay, node), c.scale, c.tensor_scales)
+        new = self.bases.setdefault((chain.replay, chain.scale, chain.tensor_scales, False), node)
+        self.r.chains.setdefault(new, chain)
+        return new
 
     def vocab_form(self, x: fx.Node) -> tuple[fx.Node, tuple, bool] | None:
         """(base chain node, form, soft) of a region value usable as a vocab-sized tensor."""
@@ -889,14 +906,14 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
 
     # everything the calls read must exist before the anchor: move pure label computations up if needed
     for base, keyed in calls.items():
-        for n in (*(t for _, t in r.values[base].tensor_scales), *(k[0] for k in keyed)):
+        for n in (*(t for _, t in r.chain(base).tensor_scales), *(k[0] for k in keyed)):
             _hoist(n, anchor, position)
 
     results: dict[fx.Node, dict[Any, Any]] = {}
     n_calls = 0
     rows: list[int] = []
     for base, keyed in calls.items():
-        chain: Chain = r.values[base]
+        chain = r.chain(base)
         hb = h if G.dtype(h) == compute else b.call("to", h, compute, method=True)
         for view in chain.replay:
             hb = _replay(b, hb, view, d)
@@ -978,8 +995,8 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
         graph.erase_node(node)
 
     n_rows = max(rows) if rows else 0
-    temps = sorted({f"{temperature_of(r.values[bn]):g}" for bn in calls})
-    tensor_t = any(r.values[bn].tensor_scales for bn in calls)
+    temps = sorted({f"{temperature_of(r.chain(bn)):g}" for bn in calls})
+    tensor_t = any(r.chain(bn).tensor_scales for bn in calls)
     spelled = dict.fromkeys(G.op(n) for n in r.order if G.op(n) in _SPELLING_OPS)
     autocast = f"; autocast to {str(compute).replace('torch.', '')}" if compute != G.dtype(h) else ""
     detail = (

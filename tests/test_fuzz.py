@@ -81,7 +81,6 @@ class Run:
     layout: Layout
     make_inputs: object  # (lead shape, generator) -> dict of float64 / integer input tensors, by forward arg name
     expected: dict[str, int]  # rewrites per compiled graph
-    known_gaps: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)  # pass -> KNOWN_GAPS entry
     grad_inputs: tuple[str, ...] = ()  # float inputs that require grad
     no_grad: bool = False
     frozen: tuple[str, ...] = ()  # parameter names with requires_grad False
@@ -235,31 +234,11 @@ def execute(run: Run) -> tilecompile.Report:
     assert rep.graphs >= 1, rep
     expected = {name: n * rep.graphs for name, n in run.expected.items()}
     got = {name: rep.counts[name] for name in run.expected}
-    for name, (reason, fewest) in run.known_gaps.items():
-        if got[name] != expected[name]:
-            # a known missed rewrite: fewer are accepted (down to the gap's minimum), only with the gap's skip reason
-            assert fewest <= got[name] <= expected[name], f"counts {got} vs {expected}\n{rep}"
-            assert any(reason in s.reason for s in rep.skipped if s.pass_name == name), rep
-            expected[name] = got[name]
     assert got == expected, f"counts {got} != {expected} ({rep.graphs} graph(s))\n{rep}"
     return rep
 
 
-# Known missed rewrites, each pinned by a strict xfail in tests/test_fuzz_regressions.py (drop the entry when that
-# test starts passing): (the telltale text of the pass's skip reason, the fewest rewrites then accepted).
-KNOWN_GAPS = {
-    # nll_loss(log_softmax(z).reshape(-1, V), ...) on a dynamic recompile: the reshape leaves the algebra
-    "nll_reshaped_logp_dynamic": ("also used by nll_loss", 1),
-}
 GATHER_HEADS = ("log_softmax_gather", "take_along_dim", "gather_minus_logsumexp", "logp_and_entropy", "trl_selective")
-
-
-def ce_known_gaps(spec: CESpec, layout: Layout) -> dict[str, tuple[str, int]]:
-    """The gaps this spec may hit; with dynamic=True even the first graph is dynamic (then none need fire)."""
-    if spec.head == "nll_mean_reshaped_logp":
-        reason, fewest = KNOWN_GAPS["nll_reshaped_logp_dynamic"]
-        return {"fused_linear_ce": (reason, 0 if layout.dynamic else fewest)}
-    return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +298,6 @@ def ce_run(spec: CESpec, ci: CEInputs, dtype: torch.dtype, layout: Layout, no_gr
         layout=layout,
         make_inputs=ce_make_inputs(spec, ci),
         expected={"fused_linear_ce": spec.fires, "tiled_mlp": 0},
-        known_gaps=ce_known_gaps(spec, layout),
         grad_inputs=grad_inputs,
         no_grad=no_grad,
         frozen=("lm_head.weight",) if ci.w_frozen else (),
@@ -555,7 +533,6 @@ def test_block_both_passes_fire(case):
             layout=layout,
             make_inputs=make,
             expected={"tiled_mlp": mlp.fires, "fused_linear_ce": 1},
-            known_gaps=ce_known_gaps(ce, layout),
             kink=MLP_ACTIVATIONS[mlp.act] == "relu",
             grad_inputs=grad_inputs,
             seed=seed,

@@ -1,7 +1,6 @@
 """Minimal cases the fuzzer (tests/test_fuzz.py) found, kept as plain tests with the concrete values.
 
-A case for a bug not fixed yet is a strict xfail: it starts failing (XPASS) once the bug is fixed, which is the
-signal to drop the marker and the matching entry of ``test_fuzz.KNOWN_GAPS``.
+A bug found but not fixed yet goes in as a strict xfail (it turns into XPASS once fixed); none is open now.
 """
 
 from __future__ import annotations
@@ -129,11 +128,6 @@ def test_mlp_dynamic_weight_inputs_are_tiled():
     assert tilecompile.report().counts["tiled_mlp"] == 1, tilecompile.report()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fused_linear_ce: log_softmax(z).reshape(-1, V) into nll_loss stays in the algebra for static shapes "
-    "only; on the dynamic recompile (T symbolic) the reshape counts as a use outside the region again",
-)
 def test_nll_loss_of_reshaped_log_softmax_after_dynamic_recompile():
     """h [1, T, 3] with T = 2 then 3, W [5, 3]: both graphs should use the fused op."""
     w = torch.randn(5, 3, requires_grad=True)
