@@ -197,6 +197,13 @@ def bench_shape(n, d, v, modes, methods, reps, tflops, meta, writer, dtype=torch
             rows[name] = row
             gc.collect()
             torch.cuda.empty_cache()
+        for count in (1,) if fwd_only else (3, 4):
+            name = f"cublas-{count}-gemms-only"
+            ms = gemms_only(h, w, count)
+            torch.cuda.empty_cache()
+            rows[name] = dict(meta, N=n, D=d, V=v, dtype=str(dtype)[6:], mode=mode, method=name,
+                              matmul_tflops=f"{tflops:.0f}", floor_ms=f"{floor:.3f}", ms=f"{ms:.3f}",
+                              x_floor=f"{ms / floor:.3f}")  # fmt: skip
         base = refs.get("eager")
         ind = rows.get("inductor", {}).get("ms")
         for name, row in rows.items():
@@ -217,6 +224,23 @@ def bench_shape(n, d, v, modes, methods, reps, tflops, meta, writer, dtype=torch
         del refs, base
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def gemms_only(h, w, count, reps=3):
+    """The unchunked GEMMs of 2·N·D·V as cuBLAS runs them here, nothing else: 1 (z), 3 (z, dh, dW: what Inductor
+    issues) or 4 (z twice: a method that recomputes z in the backward). No such method can beat its row."""
+    h, w = h.detach(), w.detach()
+    z = torch.empty(h.shape[0], w.shape[0], device=h.device, dtype=h.dtype)
+
+    def run():
+        torch.mm(h, w.t(), out=z)
+        if count > 1:
+            if count == 4:
+                torch.mm(h, w.t(), out=z)
+            z @ w  # dh (z stands in for dz)
+            z.t() @ h  # dW
+
+    return _time(run, reps)  # z goes with this frame; the caller empties the cache
 
 
 def check_numerics(n=4096, d=1024, v=32000, dtype=torch.bfloat16):

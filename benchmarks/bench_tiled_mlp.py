@@ -179,6 +179,8 @@ def bench_shape(n: int, d: int, i: int, reps: int, main_shape: bool, device: str
         clear()
         mem.empty_cache()
         rows.append(row)
+    if device == "cuda":
+        rows += gemm_floor_rows(mlp, x, gy, reps, flops)
     ref = refs.get("eager")
     ind = next((r for r in rows if r["method"] == "inductor" and "ms" in r), None)
     for r in rows:
@@ -187,6 +189,46 @@ def bench_shape(n: int, d: int, i: int, reps: int, main_shape: bool, device: str
                 r[key] = ((a - b).norm() / b.norm()).item()
         if ind is not None and "ms" in r:
             r["x_inductor"] = r["ms"] / ind["ms"]
+    return rows
+
+
+def gemm_floor_rows(mlp: SwiGLU, x, gy, reps: int, flops: int) -> list[dict]:
+    """The GEMMs alone, unchunked, as cuBLAS runs them here: 9 (what Inductor issues) and 11 (plus the recompute of
+    gate and up that a tiled MLP needs), with no elementwise work. A method with that many GEMMs of 2·N·D·I cannot
+    beat this row, so it shows what a ratio to Inductor can reach on this GPU."""
+    n, d = x.shape[-2], x.shape[-1]
+    x2, dy = x.detach().view(-1, d), gy.view(-1, d)
+    wg, wu, wd = (p.detach() for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
+
+    def gemms(recompute: bool):
+        g, u = x2 @ wg.t(), x2 @ wu.t()
+        g @ wd.t()  # the output (g stands in for act(g)·u)
+        if recompute:
+            torch.mm(x2, wg.t(), out=g)
+            torch.mm(x2, wu.t(), out=u)
+        dh = dy @ wd
+        dy.t() @ g  # dW_down
+        dh.t() @ x2  # dW_gate (dh stands in for dg)
+        u.t() @ x2  # dW_up (u stands in for du)
+        (dh @ wg).addmm_(u, wu)  # dx
+
+    rows = []
+    for count, recompute in ((9, False), (11, True)):
+        row = {"method": f"cublas-{count}-gemms-only", "n": n, "d": d, "i": wg.shape[0], "dtype": "bfloat16"}
+        gemms(recompute)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            gemms(recompute)
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e))
+        row.update(ms=statistics.median(ts), ms_min=min(ts), peak_extra_gib=float("nan"))
+        row.update(peak_extra_anchor_gib=float("nan"), tflops=flops / (row["ms"] / 1e3) / 1e12)
+        rows.append(row)
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -180,12 +180,12 @@ def _block_c(n_cols: int, cap: int) -> int:
     return max(16, min(cap, 1 << (max(n_cols, 1) - 1).bit_length()))
 
 
-# The forward epilogue reduces each row (max, Σe, Σe·x): a whole chunk row in one tile issues all its loads at
-# once and does the three reductions once per chunk. Measured on H200 (N=16384, V=151936, C=4096): 3.3-4.0 ms
-# for 5 GB read, against 3.8 ms with 2048-wide tiles and one program per row; still ~3x its bandwidth bound.
-_FWD_BLOCK_CAP = 8192
-# Row-loop pipeline depth of the forward epilogue (Triton's softmax tutorial uses the same persistent layout).
-_FWD_STAGES = 2
+# Launch settings of the forward epilogue, which reduces each row of a chunk (max, Σe, Σe·x): tiles of up to
+# ``cap`` columns, ``warps`` warps a program, ``grid_per_sm`` programs per multiprocessor looping over the rows
+# (software-pipelined ``stages`` deep). Swept on H200 (benchmarks/probe_gemm.py, N=16384, V=151936, bf16): the
+# former setting (one tile of the whole chunk row, 8 warps, 4 programs per SM) read 1.6 GB/s·10³; 4 warps with
+# 16 programs per SM over 2048-wide tiles read 2.0-2.4 (C = 4096-16384), about half the bandwidth bound.
+_FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1}
 # The backward epilogue is elementwise per row (no reductions), so a modest tile streams at full bandwidth.
 _BWD_BLOCK_CAP = 2048
 
@@ -207,14 +207,14 @@ def _triton_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignor
     n = z.shape[0]
     if n == 0:
         return
-    block = _block_c(z.shape[1], _FWD_BLOCK_CAP)
-    warps = min(16, max(4, block // 512))
-    grid = min(n, _num_sms(z.device) * max(1, 32 // warps))
+    cfg = _FWD_LAUNCH
+    block = _block_c(z.shape[1], cfg["cap"])
+    grid = min(n, _num_sms(z.device) * cfg["grid_per_sm"])
     _fused_linear_ce_fwd_kernel[(grid,)](
         z, labels, m, s, a, zy, logp, ent if ent is not None else logp, lse,
         n, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
         HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, BLOCK_C=block,
-        NUM_STAGES=_FWD_STAGES, num_warps=warps,
+        NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
     )  # fmt: skip
 
 

@@ -301,7 +301,7 @@ _INTERPRET_SCRIPT = textwrap.dedent(
                 gtol = 1e-5 if dt == torch.float32 else 2e-3
                 torch.testing.assert_close(a.float(), b.float(), rtol=gtol, atol=gtol * b.float().abs().max().item())
     # The forward epilogue's multi-tile path (chunks wider than one tile), forced with a tiny tile cap.
-    K._FWD_BLOCK_CAP = 32
+    K._FWD_LAUNCH["cap"] = 32
     h, w = torch.randn(n, 16), torch.randn(v, 16) / 4
     got = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, True, chunk=100, use_triton=True)
     exp = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, True, chunk=100, use_triton=False)
