@@ -357,6 +357,55 @@ def op_variants(n: int = 16384, d: int = 4096, v: int = 151936, rounds: int = 3)
         print(json.dumps(row), flush=True)
 
 
+def chunk_rounds(n: int = 16384, d: int = 4096, v: int = 151936, rounds: int = 5) -> None:
+    """The forward's z GEMMs, unchunked and over vocabulary chunks in both operand orders, interleaved over
+    ``rounds`` (so clock drift spreads over all settings), then the whole no-grad forward of the op per chunk."""
+    import statistics
+
+    torch.manual_seed(0)
+    h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
+    y = torch.randint(0, v, (n,), device="cuda")
+    full = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
+    buf = torch.empty(n * 32768, device="cuda", dtype=torch.bfloat16)
+
+    def chunked(c, transposed):
+        def run():
+            for v0 in range(0, v, c):
+                wc = w[v0 : v0 + c]
+                k = wc.shape[0]
+                if transposed:
+                    torch.mm(wc, h.t(), out=buf[: n * k].view(k, n))
+                else:
+                    torch.mm(h, wc.t(), out=buf[: n * k].view(n, k))
+
+        return run
+
+    def op(c):
+        K_budget = n * 2 * c
+
+        def run():
+            K.FWD_CHUNK_BUDGET_BYTES = K_budget
+            K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, True)
+
+        return run
+
+    cases = {"full": lambda: torch.mm(h, w.t(), out=full)}
+    for c in (1024, 2048, 4096, 8192, 16384, 32768):
+        cases[f"C={c} [N,C]"] = chunked(c, False)
+        cases[f"C={c} [C,N]"] = chunked(c, True)
+    for c in (2048, 4096, 8192, 16384, 32768):
+        cases[f"op fwd C={c}"] = op(c)
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            times.setdefault(name, []).append(timed(fn, reps=1))
+    for name, ts in times.items():
+        row = {"name": f"rounds {name}", "median": round(statistics.median(ts), 3), "all": [round(t, 2) for t in ts]}
+        RESULTS.append(row)
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -364,9 +413,15 @@ def main() -> None:
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for part in args.only.split(","):
-        {"rates": rates, "lmhead": lmhead, "overlap": overlap, "epilogue": epilogue, "mlp": mlp, "op": op_variants}[
-            part
-        ]()
+        {
+            "rates": rates,
+            "lmhead": lmhead,
+            "overlap": overlap,
+            "epilogue": epilogue,
+            "mlp": mlp,
+            "op": op_variants,
+            "chunks": chunk_rounds,
+        }[part]()
         if part != "rates":
             rates()
     if args.json:
