@@ -406,61 +406,6 @@ def chunk_rounds(n: int = 16384, d: int = 4096, v: int = 151936, rounds: int = 5
         print(json.dumps(row), flush=True)
 
 
-def fused_rounds(n: int = 16384, d: int = 4096, v: int = 151936, rounds: int = 5) -> None:
-    """The no-grad forward as one Triton GEMM with the softmax statistics in its epilogue (kernels/fused_gemm_ce.py)
-    under several tile configs, beside the unchunked cuBLAS GEMM and the op's chunked forward, interleaved."""
-    import statistics
-
-    from tilecompile.kernels import fused_gemm_ce as F2
-
-    torch.manual_seed(0)
-    h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
-    y = torch.randint(0, v, (n,), device="cuda")
-    full = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
-    ref = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, True)
-    configs = [
-        (128, 256, 64, 8, 8, 3),
-        (128, 256, 64, 8, 8, 4),
-        (128, 128, 64, 8, 4, 4),
-        (128, 128, 64, 8, 8, 4),
-        (256, 128, 64, 8, 8, 3),
-        (128, 256, 128, 8, 8, 2),
-        (64, 256, 64, 8, 4, 4),
-        (128, 256, 64, 16, 8, 3),
-    ]
-    cases = {
-        "cublas full": lambda: torch.mm(h, w.t(), out=full),
-        "op fwd": lambda: K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, True),
-    }
-    for cfg in configs:
-        for budget in (64, 512):
-
-            def run(cfg=cfg, budget=budget):
-                F2.PARTIAL_BUDGET_BYTES = budget * 2**20
-                return F2.logprob_fwd(h, w, y, 1.0, -100, True, config=cfg)
-
-            try:
-                got = run()
-                torch.cuda.synchronize()
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit
-                print(f"fused {cfg}: {exc!r}"[:300], flush=True)
-                continue
-            err = [((a - b).norm() / b.norm()).item() for a, b in zip(got, ref)]
-            print(
-                json.dumps({"name": f"fused {cfg} budget={budget}MB agreement lp/ent/lse", "relerr": err}), flush=True
-            )
-            cases[f"fused {cfg} budget={budget}MB"] = run
-    times: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            times.setdefault(name, []).append(timed(fn, reps=1))
-    for name, ts in times.items():
-        row = {"name": f"rounds {name}", "median": round(statistics.median(ts), 3), "all": [round(t, 2) for t in ts]}
-        RESULTS.append(row)
-        print(json.dumps(row), flush=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -476,7 +421,6 @@ def main() -> None:
             "mlp": mlp,
             "op": op_variants,
             "chunks": chunk_rounds,
-            "fused": fused_rounds,
         }[part]()
         if part != "rates":
             rates()
