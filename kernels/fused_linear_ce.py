@@ -183,8 +183,8 @@ def _block_c(n_cols: int, cap: int) -> int:
 # Launch settings of the forward epilogue, which reduces each row of a chunk (max, Σe, Σe·x): tiles of up to
 # ``cap`` columns, ``warps`` warps a program, ``grid_per_sm`` programs per multiprocessor looping over the rows
 # (software-pipelined ``stages`` deep). Swept on H200 (benchmarks/probe_gemm.py, N=16384, V=151936, bf16): the
-# former setting (one tile of the whole chunk row, 8 warps, 4 programs per SM) read 1.6 GB/s·10³; 4 warps with
-# 16 programs per SM over 2048-wide tiles read 2.0-2.4 (C = 4096-16384), about half the bandwidth bound.
+# former setting (one tile of the whole chunk row, 8 warps, 4 programs per SM) read the logits at 1.6 TB/s; 4 warps
+# with 16 programs per SM over 2048-wide tiles read them at 2.0-2.4 TB/s (C = 4096-16384), half of the 4.8 TB/s.
 _FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1}
 # The backward epilogue is elementwise per row (no reductions), so a modest tile streams at full bandwidth.
 _BWD_BLOCK_CAP = 2048
