@@ -12,7 +12,7 @@ autograd sums both halves' grads into the one parameter).
 Checks, each a reason when it says no: the same ``x`` feeds gate and up; every weight is a graph input; shapes
 chain without broadcasting; the intermediates are used only inside the MLP; one dtype inside the region (under
 autocast the op is handed ``x`` and the weights cast to the compute dtype, as ``F.linear`` would); no autocast
-edge inside the region; at least ``mlp_min_tokens`` tokens.
+edge inside the region; at least ``mlp_min_tokens`` tokens (a symbolic count is compared under a guard).
 
 Not matched (left to Inductor): GELU spelled out as tanh arithmetic (HF ``gelu_new``), LoRA-style adapters added
 to a projection, MoE experts whose weights are indexed out of a stacked parameter, dropout inside the MLP.
@@ -216,9 +216,19 @@ def check_no_autocast_edge(m: GatedMLP, order: dict[fx.Node, int], markers: list
 
 
 def check_min_tokens(m: GatedMLP, min_tokens: int) -> str | None:
-    tokens = _tokens(m.x)
-    if min_tokens and tokens is not None and tokens < min_tokens:
-        return f"{tokens} tokens < mlp_min_tokens={min_tokens}: tiling would only cost time (0 tiles everything)"
+    if not min_tokens:
+        return None
+    sizes = (G.shape(m.x) or (None,))[:-1]
+    if any(s is None for s in sizes):
+        return None
+    try:
+        # a symbolic count is compared, not its hint: that adds a guard, so a later call on the other side of
+        # the threshold recompiles (tiled above it, untiled below) instead of reusing this graph's choice
+        below = bool(math.prod(sizes) < min_tokens)
+    except Exception:  # noqa: BLE001 - an unbacked size: nothing to guard on, the hint decides
+        below = (_tokens(m.x) or 0) < min_tokens
+    if below:
+        return f"{_tokens(m.x)} tokens < mlp_min_tokens={min_tokens}: tiling would only cost time (0 tiles everything)"
     return None
 
 

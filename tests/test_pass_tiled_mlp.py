@@ -367,6 +367,24 @@ def test_below_min_tokens_is_skipped():
     assert len(_rewrites()) == 1
 
 
+@pytest.mark.parametrize("first, second", [(4, 16), (16, 4)])
+def test_min_tokens_under_dynamic_shapes_recompiles_across_the_threshold(first, second):
+    """With a symbolic token count the decision is a guard: a call on the other side of mlp_min_tokens recompiles
+    (tiled above it, untiled below), instead of keeping the first graph's choice for every length."""
+    model = MLP("silu")
+    ref = copy.deepcopy(model)
+    compiled = _compile(model, dynamic=True, mlp_min_tokens=8)
+    tiled = []
+    for t in (first, second):
+        x = torch.randn(1, t, D)
+        assert_close(compiled(x), ref(x), rtol=RTOL, atol=ATOL, name=f"output T={t}")
+        tiled.append(len(_rewrites()))
+    rep = tilecompile.report()
+    assert rep.graphs == 2, rep
+    assert tiled == ([0, 1] if first < second else [1, 1]), rep
+    assert any("tokens < mlp_min_tokens=8" in s.reason for s in _skips()), rep
+
+
 def test_pass_off_leaves_graph_alone():
     _check_against_eager(MLP("silu"), torch.randn(2, 5, D), tiled_mlp=False)
     assert not _rewrites() and not _skips()
