@@ -2,8 +2,12 @@
 
 Math (h [N, D], W [V, D], labels y [N], temperature t):
     z = h·Wᵀ / t,  lse = logsumexp(z),  logp = z_y − lse,  H = lse − Σ_j p_j z_j   (p = softmax(z))
-    dz_j = [g_lp (1[j=y] − p_j) − g_H p_j (z_j − lse + H)] / t,   dh = dz·W,   dW = dzᵀ·h
-Saved for backward: h, W, labels, lse [N] and H [N] (fp32). No [N, V] tensor is ever allocated.
+    dz_j = [g_lp (1[j=y] − p_j) − g_H p_j (log p_j + H)] / t,   dh = dz·W,   dW = dzᵀ·h
+Saved for backward: h, W, labels, stats [N, 2] = (m, log Σ_j e^{z_j − m}) with m the row max (so lse = m + log Σe),
+and H [N], all fp32. log p_j is formed as (z_j − m) − log Σe, never as z_j − lse: for the largest logits z_j − lse
+is a small difference of two numbers near lse and loses their absolute rounding (~ulp(lse)), which is the whole of
+log p_j when the distribution is peaked; eager's log_softmax subtracts the max first in the same way.
+No [N, V] tensor is ever allocated.
 
 Forward, for each vocabulary chunk W_c (C rows): z_c = h @ W_cᵀ (one GEMM, fp32 accumulation, written in the GEMM
 dtype), then ``_fused_linear_ce_fwd_kernel`` folds z_c into per-row online statistics (max m, Σe = Σ exp(x − m),
@@ -64,7 +68,7 @@ if HAS_TRITON:
         zy_ptr,
         logp_ptr,
         ent_ptr,
-        lse_ptr,
+        stats_ptr,
         n_rows,
         n_cols,
         v_start,
@@ -109,9 +113,9 @@ if HAS_TRITON:
             zy = tl.where(hit, zy_new, tl.load(zy_ptr + row))
             if IS_LAST:
                 log_s = tl.log(s)
-                lse = m + log_s
-                tl.store(logp_ptr + row, tl.where(active, zy - lse, 0.0))
-                tl.store(lse_ptr + row, tl.where(row_on, lse, 0.0))
+                tl.store(logp_ptr + row, tl.where(active, (zy - m) - log_s, 0.0))
+                tl.store(stats_ptr + 2 * row, tl.where(row_on, m, 0.0))
+                tl.store(stats_ptr + 2 * row + 1, tl.where(row_on, log_s, 0.0))
                 if HAS_ENTROPY:
                     # H = lse - Σ p·x = log Σe - Σe·(x - m) / Σe
                     tl.store(ent_ptr + row, log_s - a / s)
@@ -125,7 +129,7 @@ if HAS_TRITON:
     def _fused_linear_ce_bwd_kernel(
         z_ptr,
         labels_ptr,
-        lse_ptr,
+        stats_ptr,
         ent_ptr,
         glp_ptr,
         gent_ptr,
@@ -141,7 +145,8 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         label = tl.load(labels_ptr + row).to(tl.int64)
         active = label != ignore_index
-        lse = tl.load(lse_ptr + row)
+        m = tl.load(stats_ptr + 2 * row)
+        log_s = tl.load(stats_ptr + 2 * row + 1)
         # Ignored rows get no gradient through logp (logp is the constant 0 there).
         if HAS_GLP:
             glp = tl.where(active, tl.load(glp_ptr + row), 0.0)
@@ -166,11 +171,12 @@ if HAS_TRITON:
             cols = c0 + offs
             cmask = cols < n_cols
             x = tl.load(z_row + cols, mask=cols < n_load, other=0.0).to(tl.float32) * inv_t
-            p = tl.exp(x - lse)
+            log_p = (x - m) - log_s
+            p = tl.exp(log_p)
             dz = tl.where(cols == y_local, glp, 0.0) - glp * p
             if HAS_GENT:
                 # p = 0 where x = -inf: keep 0 * -inf out of the sum.
-                dz -= gent * tl.where(p > 0.0, p * (x - lse + ent), 0.0)
+                dz -= gent * tl.where(p > 0.0, p * (log_p + ent), 0.0)
             dz = tl.where(row_on, dz * inv_t, 0.0)
             # The chunk buffer is rewritten in place: z_c becomes dz_c, in the GEMM dtype.
             tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=cmask)
@@ -202,7 +208,7 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[key]
 
 
-def _triton_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignore_index, with_entropy, is_last):
+def _triton_fwd_epilogue(z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last):
     m, s, a, zy = state
     n = z.shape[0]
     if n == 0:
@@ -211,26 +217,26 @@ def _triton_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignor
     block = _block_c(z.shape[1], cfg["cap"])
     grid = min(n, _num_sms(z.device) * cfg["grid_per_sm"])
     _fused_linear_ce_fwd_kernel[(grid,)](
-        z, labels, m, s, a, zy, logp, ent if ent is not None else logp, lse,
+        z, labels, m, s, a, zy, logp, ent if ent is not None else logp, stats,
         n, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
         HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, BLOCK_C=block,
         NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
     )  # fmt: skip
 
 
-def _triton_bwd_epilogue(z, labels, lse, ent, glp, gent, v_start, inv_t, ignore_index):
+def _triton_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index):
     n = z.shape[0]
     if n == 0:
         return
     block = _block_c(z.shape[1], _BWD_BLOCK_CAP)
     _fused_linear_ce_bwd_kernel[(n,)](
-        z, labels, lse, ent if ent is not None else lse, glp if glp is not None else lse,
-        gent if gent is not None else lse, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
+        z, labels, stats, ent if ent is not None else stats, glp if glp is not None else stats,
+        gent if gent is not None else stats, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
         HAS_GLP=glp is not None, HAS_GENT=gent is not None, BLOCK_C=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
 
 
-def _torch_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignore_index, with_entropy, is_last):
+def _torch_fwd_epilogue(z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last):
     """The forward epilogue in PyTorch: same online update as ``_fused_linear_ce_fwd_kernel``."""
     m, s, a, zy = state
     active = labels != ignore_index
@@ -253,25 +259,25 @@ def _torch_fwd_epilogue(z, labels, state, logp, ent, lse, v_start, inv_t, ignore
     zy.copy_(torch.where(hit, picked, zy))
     if is_last:
         log_s = torch.log(s)
-        lse_v = m + log_s
-        logp.copy_(torch.where(active, zy - lse_v, 0.0))
-        lse.copy_(torch.where(row_on, lse_v, 0.0))
+        logp.copy_(torch.where(active, (zy - m) - log_s, 0.0))
+        stats.copy_(torch.where(row_on[:, None], torch.stack((m, log_s), dim=1), 0.0))
         if with_entropy:
             ent.copy_(log_s - a / s)
 
 
-def _torch_bwd_epilogue(z, labels, lse, ent, glp, gent, v_start, inv_t, ignore_index):
+def _torch_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index):
     """The backward epilogue in PyTorch: z (the chunk of logits) becomes dz in place."""
     active = labels != ignore_index
     x = z.float() * inv_t
-    p = torch.exp(x - lse[:, None])
+    log_p = (x - stats[:, :1]) - stats[:, 1:]
+    p = torch.exp(log_p)
     dz = torch.zeros_like(x)
     if glp is not None:
         g = torch.where(active, glp, 0.0)[:, None]
         cols = torch.arange(z.shape[1], device=z.device) + v_start
         dz = torch.where(cols[None, :] == labels.long()[:, None], g, 0.0) - g * p
     if gent is not None:
-        dz = dz - gent[:, None] * torch.where(p > 0, p * (x - lse[:, None] + ent[:, None]), 0.0)
+        dz = dz - gent[:, None] * torch.where(p > 0, p * (log_p + ent[:, None]), 0.0)
     z.copy_(dz * inv_t)
 
 
@@ -313,7 +319,8 @@ def fused_linear_logprob_fwd(
     use_triton: bool | None = None,
     gemm_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Forward over vocabulary chunks. h [N, D], weight [V, D], labels [N] -> (logp, entropy or None, lse), fp32.
+    """Forward over vocabulary chunks. h [N, D], weight [V, D], labels [N] -> (logp, entropy or None, stats), fp32;
+    stats [N, 2] = (row max m, log Σe) of z, so lse = m + log Σe (both 0 at rows that never needed them).
 
     No checks here (the op layer validates); labels outside [0, V) that are not ignore_index give a wrong logp
     but never an out-of-bounds access.
@@ -326,7 +333,7 @@ def fused_linear_logprob_fwd(
     hg = h if h.dtype == gdt else h.to(gdt)
     c = chunk_size(n, v, torch.finfo(gdt).bits // 8, chunk, FWD_CHUNK_BUDGET_BYTES)
     logp = torch.empty(n, device=dev, dtype=torch.float32)
-    lse = torch.empty(n, device=dev, dtype=torch.float32)
+    stats = torch.empty(n, 2, device=dev, dtype=torch.float32)
     ent = torch.empty(n, device=dev, dtype=torch.float32) if with_entropy else None
     state = (
         torch.full((n,), float("-inf"), device=dev, dtype=torch.float32),
@@ -344,14 +351,15 @@ def fused_linear_logprob_fwd(
             w_c = w_c.to(gdt)
         z = buf[: n * w_c.shape[0]].view(n, w_c.shape[0])
         torch.mm(hg, w_c.t(), out=z)
-        epilogue(z, labels, state, logp, ent, lse, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v)
+        epilogue(z, labels, state, logp, ent, stats, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v)
     del buf, z  # z is a view of buf: both must go before the caller allocates more
     if v == 0:  # an empty vocabulary: logsumexp of nothing is -inf
-        lse.fill_(float("-inf"))
+        stats[:, 0].fill_(float("-inf"))
+        stats[:, 1].fill_(0.0)
         logp.fill_(float("nan"))
         if ent is not None:
             ent.fill_(float("nan"))
-    return logp, ent, lse
+    return logp, ent, stats
 
 
 _FP32_ADDMM: bool | None = None
@@ -394,7 +402,7 @@ def fused_linear_logprob_bwd(
     h: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     ent: torch.Tensor | None,
     grad_logp: torch.Tensor | None,
     grad_ent: torch.Tensor | None,
@@ -435,7 +443,7 @@ def fused_linear_logprob_bwd(
             w_c = w_c.to(gdt)
         z = buf[: n * w_c.shape[0]].view(n, w_c.shape[0])
         torch.mm(hg, w_c.t(), out=z)
-        epilogue(z, labels, lse, ent, grad_logp, grad_ent, v0, scalar_t, ignore_index)
+        epilogue(z, labels, stats, ent, grad_logp, grad_ent, v0, scalar_t, ignore_index)
         if dw is not None:
             if dw.dtype == gdt:
                 torch.mm(z.t(), hg, out=dw[v0 : v0 + c])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -257,6 +258,43 @@ def test_inductor_is_the_default_inner_compiler(monkeypatch):
     f = torch.compile(Tiny(), backend="tilecompile", mode="max-autotune-no-cudagraphs")
     f(torch.randn(2, 8))
     assert len(calls) == 1 and calls[0].get("max_autotune") is True
+
+
+def test_inductor_caches_are_keyed_by_tilecompile_source(monkeypatch, tmp_path):
+    """Inductor's cache keys cannot see what a custom op does, so the backend tags them with a digest of its own
+    source while the inner compile runs (and only then); the digest changes with any byte of that source."""
+    import torch._inductor.compile_fx as cfx
+
+    from tilecompile import backend
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        seen.append(torch.compiler.config.cache_key_tag)
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "user-tag")
+    torch.compile(Tiny(), backend="tilecompile", options={"inner": "inductor"})(torch.randn(2, 8))
+    assert seen == [f"user-tag|{backend.cache_tag()}"]
+    assert torch.compiler.config.cache_key_tag == "user-tag"
+    # the digest covers every source file of the package: a copy with one byte changed hashes differently
+    import tilecompile.ops as ops_pkg
+
+    for src in pathlib.Path(ops_pkg.__path__[0]).glob("*.py"):
+        (tmp_path / src.name).write_bytes(src.read_bytes())
+    before = backend.cache_tag()
+    monkeypatch.setattr(ops_pkg, "__path__", [str(tmp_path)])
+    backend.cache_tag.cache_clear()
+    try:
+        assert backend.cache_tag() == before  # the same bytes elsewhere: the same digest
+        with open(tmp_path / "fused_linear_ce.py", "ab") as fh:
+            fh.write(b"\n")
+        backend.cache_tag.cache_clear()
+        assert backend.cache_tag() != before
+    finally:
+        monkeypatch.undo()
+        backend.cache_tag.cache_clear()
 
 
 @pytest.mark.slow

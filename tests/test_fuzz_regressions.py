@@ -137,3 +137,26 @@ def test_nll_loss_of_reshaped_log_softmax_after_dynamic_recompile():
         assert_close(fn(h, w, y), _nll_of_reshaped_logp(h, w, y), rtol=1e-5, atol=1e-6, name=f"loss T={t}")
     rep = tilecompile.report()
     assert rep.graphs == 2 and rep.counts["fused_linear_ce"] == 2, rep
+
+
+def _entropy_of_exp_logp(h, w):
+    logp = F.log_softmax(F.linear(h, w) / 0.3, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def test_entropy_grad_of_a_confident_token_fp32():
+    """h [1, 1, 1] = 1.541, frozen W [2, 1] = [1.541, -0.2934], t = 0.3: the second class has p = 8e-5. The grad of
+    the entropy wrt h was 1.2e-6 off fp64 in fp32 (eager: 3.5e-8), because log p of the top class was formed as
+    z - lse (both ~7.9) and lost ulp(lse); it is now (z - max) - log Σe, as log_softmax does."""
+    w = torch.tensor([[1.541], [-0.2934]])
+    fn = torch.compile(_entropy_of_exp_logp, backend="tilecompile", options=compile_options(), fullgraph=True)
+    grads = {}
+    for name, f, dtype in (("fp64", _entropy_of_exp_logp, torch.float64), ("eager", _entropy_of_exp_logp, None),
+                           ("compiled", fn, None)):  # fmt: skip
+        h = torch.tensor([[[1.541]]], dtype=dtype or torch.float32, requires_grad=True)
+        f(h, w.to(h.dtype)).sum().backward()
+        grads[name] = h.grad.double()
+    assert tilecompile.report().counts["fused_linear_ce"] == 1, tilecompile.report()
+    ref = grads["fp64"]
+    err_eager, err = (grads["eager"] - ref).abs().item(), (grads["compiled"] - ref).abs().item()
+    assert err <= 2 * err_eager + 2e-5 * ref.abs().item(), f"dh error {err:.3g}, eager's {err_eager:.3g}"

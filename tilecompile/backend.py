@@ -7,7 +7,11 @@ plain function on purpose: decorating it with ``register_backend`` as well would
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import logging
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +71,32 @@ def _inductor_patches(mode: str | None, options: dict[str, Any]) -> dict[str, An
     return patches
 
 
+@functools.lru_cache(maxsize=1)
+def cache_tag() -> str:
+    """A digest of tilecompile's own source, made part of the compile-cache keys taken under this backend.
+
+    Inductor's on-disk caches key a graph by its nodes, not by what a custom op does: after tilecompile changes an
+    op's decomposition or output shapes, a cached graph built for the old code would be loaded and fail (or worse).
+    """
+    import tilecompile
+
+    digest = hashlib.sha256()
+    for pkg in ("", ".ops", ".passes", ".kernels"):
+        module = __import__(f"tilecompile{pkg}", fromlist=["_"]) if pkg else tilecompile
+        for path in sorted(pathlib.Path(p) for d in module.__path__ for p in pathlib.Path(d).glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return "tilecompile-" + digest.hexdigest()[:16]
+
+
+def _tagged_caches():
+    """``torch.compiler.config.cache_key_tag`` with ``cache_tag()`` appended (a no-op where torch lacks the tag)."""
+    cfg = torch.compiler.config
+    if not hasattr(cfg, "cache_key_tag"):
+        return contextlib.nullcontext()
+    return cfg.patch(cache_key_tag="|".join(t for t in (cfg.cache_key_tag, cache_tag()) if t))
+
+
 def _inner_compile(
     gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str, mode: str | None, options: dict[str, Any]
 ) -> Callable[..., Any]:
@@ -74,7 +104,8 @@ def _inner_compile(
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        with _tagged_caches():
+            return compile_fx(gm, example_inputs, config_patches=patches)
     if patches:
         log.warning("inner compiler is %s: Inductor options %s are ignored", inner, sorted(patches))
     if inner == "aot_eager":

@@ -8,7 +8,7 @@ Differentiable in h and weight.
 ``vocab_chunk``: vocabulary columns per chunk (0: automatic; -1: the TILECOMPILE_CE_VOCAB_CHUNK setting).
 
 How it is built: the public op is a CompositeImplicitAutograd op with exactly that schema that validates shapes,
-dtypes and temperature (all static, so it traces) and calls ``tilecompile::_fused_linear_logprob_fwd``, a
+dtypes and temperature (all static, so it traces) and calls ``tilecompile::_fused_linear_logprob_forward``, a
 ``torch.library.custom_op`` that also returns the per-row logsumexp. That third output is what the backward needs
 besides h, W, labels and entropy, and a custom op's autograd can only save its inputs and outputs: without it
 the backward would have to redo the whole forward GEMM. The backward is ``tilecompile::fused_linear_logprob_backward``,
@@ -97,8 +97,10 @@ def _active_rows(labels1: torch.Tensor, ignore_index: int) -> torch.Tensor | Non
     return keep.nonzero().squeeze(1)
 
 
-@torch.library.custom_op("tilecompile::_fused_linear_logprob_fwd", mutates_args=())
-def _fused_linear_logprob_fwd(
+# Named ``_fused_linear_logprob_fwd`` while its third output was lse [...]: a new name for the new output, so Inductor's
+# on-disk cache (whose keys see the op's name, not its fake implementation) cannot hand back code built for the old.
+@torch.library.custom_op("tilecompile::_fused_linear_logprob_forward", mutates_args=())
+def _fused_linear_logprob_forward(
     h: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -108,7 +110,8 @@ def _fused_linear_logprob_fwd(
     check_inputs: bool,
     vocab_chunk: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy or empty [0], lse) in fp32; lse has labels' shape (0 at rows that never needed it)."""
+    """(logp, entropy or empty [0], stats) in fp32; stats is labels' shape + [2]: each row's max logit m and
+    log Σ e^(z - m) (lse = m + log Σe; 0 at rows that never needed them), what the backward needs of the forward."""
     _check_static(h, weight, labels, temperature)
     vocab = weight.shape[0]
     if not h.is_cuda or check_inputs:
@@ -119,28 +122,30 @@ def _fused_linear_logprob_fwd(
     chunk = _vocab_chunk(vocab_chunk)
     rows = None if (h.is_cuda or with_entropy) else _active_rows(labels1, ignore_index)
     if rows is None:
-        logp, ent, lse = K.fused_linear_logprob_fwd(h2, weight, labels1, inv_t, ignore_index, with_entropy, chunk=chunk)
+        logp, ent, stats = K.fused_linear_logprob_fwd(
+            h2, weight, labels1, inv_t, ignore_index, with_entropy, chunk=chunk
+        )
     else:
         n = labels1.shape[0]
         logp = torch.zeros(n, dtype=torch.float32, device=h.device)
-        lse = torch.zeros(n, dtype=torch.float32, device=h.device)
-        lp_a, _, lse_a = K.fused_linear_logprob_fwd(
+        stats = torch.zeros(n, 2, dtype=torch.float32, device=h.device)
+        lp_a, _, stats_a = K.fused_linear_logprob_fwd(
             h2[rows], weight, labels1[rows], inv_t, ignore_index, False, chunk=chunk
         )
         logp[rows] = lp_a
-        lse[rows] = lse_a
+        stats[rows] = stats_a
         ent = None
     ent_out = ent.reshape(shape) if ent is not None else h.new_empty(0, dtype=torch.float32)
-    return logp.reshape(shape), ent_out, lse.reshape(shape)
+    return logp.reshape(shape), ent_out, stats.reshape(*shape, 2)
 
 
-@_fused_linear_logprob_fwd.register_fake
+@_fused_linear_logprob_forward.register_fake
 def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, vocab_chunk=-1):
     _check_static(h, weight, labels, temperature)
     logp = labels.new_empty(labels.shape, dtype=torch.float32)
     ent = labels.new_empty(labels.shape if with_entropy else (0,), dtype=torch.float32)
-    lse = labels.new_empty(labels.shape, dtype=torch.float32)
-    return logp, ent, lse
+    stats = labels.new_empty((*labels.shape, 2), dtype=torch.float32)
+    return logp, ent, stats
 
 
 @torch.library.custom_op("tilecompile::fused_linear_logprob_backward", mutates_args=())
@@ -148,7 +153,7 @@ def fused_linear_logprob_backward(
     h: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor,
     grad_logp: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -160,10 +165,11 @@ def fused_linear_logprob_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_h with h's shape, grad_weight [V, D]) in the input dtype; an empty [0] tensor for a grad not needed.
 
-    grad_entropy needs entropy (the forward's, with labels' shape); None grads count as zero.
+    stats and entropy are the forward's (labels' shape + [2], and labels' shape; entropy is needed only with
+    grad_entropy); None grads count as zero.
     """
     h2, labels1 = _flat(h, labels)
-    lse1 = lse.reshape(-1).contiguous()
+    stats1 = stats.reshape(-1, 2).contiguous()
     glp = grad_logp.reshape(-1).float().contiguous() if grad_logp is not None else None
     gent = grad_entropy.reshape(-1).float().contiguous() if grad_entropy is not None else None
     ent1 = entropy.reshape(-1).contiguous() if gent is not None else None
@@ -172,12 +178,12 @@ def fused_linear_logprob_backward(
     rows = None if (h.is_cuda or gent is not None) else _active_rows(labels1, ignore_index)
     if rows is None:
         dh, dw = K.fused_linear_logprob_bwd(
-            h2, weight, labels1, lse1, ent1, glp, gent, inv_t, ignore_index, need_grad_h, need_grad_weight,
+            h2, weight, labels1, stats1, ent1, glp, gent, inv_t, ignore_index, need_grad_h, need_grad_weight,
             chunk=chunk,
         )  # fmt: skip
     else:
         dh_a, dw = K.fused_linear_logprob_bwd(
-            h2[rows], weight, labels1[rows], lse1[rows], None, glp[rows] if glp is not None else None, None,
+            h2[rows], weight, labels1[rows], stats1[rows], None, glp[rows] if glp is not None else None, None,
             inv_t, ignore_index, need_grad_h, need_grad_weight, chunk=chunk,
         )  # fmt: skip
         dh = None
@@ -190,7 +196,7 @@ def fused_linear_logprob_backward(
 
 
 @fused_linear_logprob_backward.register_fake
-def _(h, weight, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, need_grad_h=True,
+def _(h, weight, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index, need_grad_h=True,
       need_grad_weight=True, vocab_chunk=-1):  # fmt: skip
     dh = h.new_empty(h.shape) if need_grad_h else h.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_grad_weight else weight.new_empty(0)
@@ -199,31 +205,31 @@ def _(h, weight, labels, lse, entropy, grad_logp, grad_entropy, temperature, ign
 
 def _setup_context(ctx, inputs, output):
     h, weight, labels, temperature, ignore_index, with_entropy, _check, vocab_chunk = inputs
-    _logp, ent, lse = output
-    ctx.mark_non_differentiable(lse)
+    _logp, ent, stats = output
+    ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(h, weight, labels, lse, ent)
+    ctx.save_for_backward(h, weight, labels, stats, ent)
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
     ctx.with_entropy = with_entropy
     ctx.vocab_chunk = vocab_chunk
 
 
-def _backward(ctx, grad_logp, grad_ent, _grad_lse):
-    h, weight, labels, lse, ent = ctx.saved_tensors
+def _backward(ctx, grad_logp, grad_ent, _grad_stats):
+    h, weight, labels, stats, ent = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not ctx.with_entropy:
         grad_ent = None
     if not (need_h or need_w):
         return None, None, None, None, None, None, None, None
     dh, dw = torch.ops.tilecompile.fused_linear_logprob_backward(
-        h, weight, labels, lse, ent, grad_logp, grad_ent, ctx.temperature, ctx.ignore_index, need_h, need_w,
+        h, weight, labels, stats, ent, grad_logp, grad_ent, ctx.temperature, ctx.ignore_index, need_h, need_w,
         ctx.vocab_chunk,
     )  # fmt: skip
     return (dh if need_h else None), (dw if need_w else None), None, None, None, None, None, None
 
 
-_fused_linear_logprob_fwd.register_autograd(_backward, setup_context=_setup_context)
+_fused_linear_logprob_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _fused_linear_logprob(
@@ -237,7 +243,7 @@ def _fused_linear_logprob(
     vocab_chunk: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_static(h, weight, labels, temperature)
-    logp, ent, _lse = torch.ops.tilecompile._fused_linear_logprob_fwd(
+    logp, ent, _stats = torch.ops.tilecompile._fused_linear_logprob_forward(
         h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), bool(check_inputs),
         int(vocab_chunk),
     )  # fmt: skip
