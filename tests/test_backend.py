@@ -274,10 +274,10 @@ def test_inductor_caches_are_keyed_by_tilecompile_source(monkeypatch, tmp_path):
         return gm.forward
 
     monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "user-tag")
-    torch.compile(Tiny(), backend="tilecompile", options={"inner": "inductor"})(torch.randn(2, 8))
-    assert seen == [f"user-tag|{backend.cache_tag()}"]
-    assert torch.compiler.config.cache_key_tag == "user-tag"
+    with torch.compiler.config.patch(cache_key_tag="user-tag"):
+        torch.compile(Tiny(), backend="tilecompile", options={"inner": "inductor"})(torch.randn(2, 8))
+        assert seen == [f"user-tag|{backend.cache_tag()}"]
+        assert torch.compiler.config.cache_key_tag == "user-tag"
     # the digest covers every source file of the package: a copy with one byte changed hashes differently
     import tilecompile.ops as ops_pkg
 
