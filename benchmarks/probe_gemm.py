@@ -16,23 +16,10 @@ import argparse
 import json
 
 import torch
+from bench_fused_linear_ce import _time as timed  # the same CUDA-event median (this script's folder is on sys.path)
 from tilecompile.kernels import fused_linear_ce as K
 
 RESULTS: list[dict] = []
-
-
-def timed(fn, reps: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def report(name: str, ms: float, flops: float = 0.0, nbytes: float = 0.0) -> None:
