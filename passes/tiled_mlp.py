@@ -218,15 +218,17 @@ def check_no_autocast_edge(m: GatedMLP, order: dict[fx.Node, int], markers: list
 def check_min_tokens(m: GatedMLP, min_tokens: int) -> str | None:
     if not min_tokens:
         return None
-    sizes = (G.shape(m.x) or (None,))[:-1]
-    if any(s is None for s in sizes):
+    shape = G.shape(m.x)
+    sizes = shape[:-1] if shape else (None,)
+    if any(s is None for s in sizes):  # an unknown size is not a reason to skip
         return None
     try:
         # a symbolic count is compared, not its hint: that adds a guard, so a later call on the other side of
         # the threshold recompiles (tiled above it, untiled below) instead of reusing this graph's choice
         below = bool(math.prod(sizes) < min_tokens)
-    except Exception:  # noqa: BLE001 - an unbacked size: nothing to guard on, the hint decides
-        below = (_tokens(m.x) or 0) < min_tokens
+    except Exception:  # noqa: BLE001 - an unbacked size: nothing to guard on, the hint decides (if there is one)
+        hint = _tokens(m.x)
+        below = hint is not None and hint < min_tokens
     if below:
         return f"{_tokens(m.x)} tokens < mlp_min_tokens={min_tokens}: tiling would only cost time (0 tiles everything)"
     return None
