@@ -9,9 +9,10 @@ Differentiable in h and weight.
 
 How it is built: the public op is a CompositeImplicitAutograd op with exactly that schema that validates shapes,
 dtypes and temperature (all static, so it traces) and calls ``tilecompile::_fused_linear_logprob_forward``, a
-``torch.library.custom_op`` that also returns the per-row logsumexp. That third output is what the backward needs
-besides h, W, labels and entropy, and a custom op's autograd can only save its inputs and outputs: without it
-the backward would have to redo the whole forward GEMM. The backward is ``tilecompile::fused_linear_logprob_backward``,
+``torch.library.custom_op`` that also returns per-row statistics of the logits (max and log Σ e^(z - max), whose
+sum is the logsumexp). That third output is what the backward needs besides h, W, labels and entropy, and a custom
+op's autograd can only save its inputs and outputs: without it the backward would have to redo the whole forward
+GEMM. The backward is ``tilecompile::fused_linear_logprob_backward``,
 a custom op too, so AOTAutograd and Inductor treat both halves as opaque. Both have fake impls.
 
 Label range: on CPU a label outside [0, V) that is not ignore_index is always a ValueError; on CUDA it is checked
@@ -97,8 +98,8 @@ def _active_rows(labels1: torch.Tensor, ignore_index: int) -> torch.Tensor | Non
     return keep.nonzero().squeeze(1)
 
 
-# Named ``_fused_linear_logprob_fwd`` while its third output was lse [...]: a new name for the new output, so Inductor's
-# on-disk cache (whose keys see the op's name, not its fake implementation) cannot hand back code built for the old.
+# Was ``_fused_linear_logprob_fwd`` while its third output was lse [...]; renamed with the new output. Graphs that
+# Inductor cached for the old op are not reused: the backend adds a digest of this source to the cache keys.
 @torch.library.custom_op("tilecompile::_fused_linear_logprob_forward", mutates_args=())
 def _fused_linear_logprob_forward(
     h: torch.Tensor,
