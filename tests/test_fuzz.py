@@ -130,14 +130,19 @@ def _inputs(raw: dict, dtype: torch.dtype, grad: tuple[str, ...], no_grad: bool)
     return out
 
 
-def _loss(outputs: tuple, gen_seed: int) -> torch.Tensor:
-    """A random linear functional of every float output, so each output's gradient is exercised."""
+def _loss_weights(outputs: tuple, gen_seed: int):
+    """(output, weights) for every float output that needs grad: the random weights of ``_loss``."""
     g = torch.Generator().manual_seed(gen_seed)
-    total = torch.zeros((), dtype=torch.float64)
     for o in outputs:
         if o.is_floating_point() and o.requires_grad:
-            w = torch.rand(o.shape, generator=g, dtype=torch.float64) + 0.5
-            total = total + (torch.nan_to_num(o.double(), nan=0.0, posinf=0.0, neginf=0.0) * w).sum()
+            yield o, torch.rand(o.shape, generator=g, dtype=torch.float64) + 0.5
+
+
+def _loss(outputs: tuple, gen_seed: int) -> torch.Tensor:
+    """A random linear functional of every float output, so each output's gradient is exercised."""
+    total = torch.zeros((), dtype=torch.float64)
+    for o, w in _loss_weights(outputs, gen_seed):
+        total = total + (torch.nan_to_num(o.double(), nan=0.0, posinf=0.0, neginf=0.0) * w).sum()
     return total
 
 
@@ -199,17 +204,14 @@ def _scalar_grad_magnitudes(outs: tuple, inputs: dict, gen_seed: int) -> dict[st
     scalars = {k: v for k, v in inputs.items() if v.requires_grad and v.dim() == 0}
     if not scalars:
         return {}
-    g = torch.Generator().manual_seed(gen_seed)
     total = dict.fromkeys(scalars, 0.0)
-    for o in outs:
-        if o.is_floating_point() and o.requires_grad:
-            w = (torch.rand(o.shape, generator=g, dtype=torch.float64) + 0.5).reshape(-1)
-            flat = o.reshape(-1)
-            for i in range(flat.numel()):
-                parts = torch.autograd.grad(flat[i], list(scalars.values()), retain_graph=True, allow_unused=True)
-                for k, d in zip(scalars, parts):
-                    if d is not None and torch.isfinite(d):
-                        total[k] += abs(w[i].item() * d.item())
+    for o, w in _loss_weights(outs, gen_seed):
+        w, flat = w.reshape(-1), o.reshape(-1)
+        for i in range(flat.numel()):
+            parts = torch.autograd.grad(flat[i], list(scalars.values()), retain_graph=True, allow_unused=True)
+            for k, d in zip(scalars, parts):
+                if d is not None and torch.isfinite(d):
+                    total[k] += abs(w[i].item() * d.item())
     return {f"grad {k}": v for k, v in total.items()}
 
 
