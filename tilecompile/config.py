@@ -28,6 +28,7 @@ class _Spec:
 _SPECS: dict[str, _Spec] = {
     # passes: each 1 (on) or 0 (off)
     "tensor_parallel": _Spec(bool, True, "lower tilecompile.parallelize() annotations to collectives"),
+    "attention": _Spec(bool, True, "SDPA fed an [N, N] mask built from positions -> is_causal / masked attention"),
     "fused_linear_ce": _Spec(bool, True, "lm_head -> log-prob / entropy / cross-entropy -> one fused op"),
     "tiled_mlp": _Spec(bool, True, "gated MLPs -> sequence-chunked recompute regions"),
     # safety: a failing rewrite raises instead of being undone with a warning
@@ -87,6 +88,7 @@ def _parse(name: str, raw: Any, source: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Settings:
     tensor_parallel: bool
+    attention: bool
     fused_linear_ce: bool
     tiled_mlp: bool
     strict: bool

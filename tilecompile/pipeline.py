@@ -24,7 +24,7 @@ from tilecompile.config import Settings
 
 log = logging.getLogger("tilecompile")
 
-PASS_ORDER = ("tensor_parallel", "fused_linear_ce", "tiled_mlp")
+PASS_ORDER = ("tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp")
 _EXPECTED = "tilecompile_expected"
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import threading
 from typing import Any
 
-PASS_NAMES = ("tensor_parallel", "fused_linear_ce", "tiled_mlp")
+PASS_NAMES = ("tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,248 @@
+"""Rewrites SDPA calls fed an [N, N] mask computed from positions into attention that never builds the mask.
+
+    sdpa(q, k, v, attn_mask=f(aranges, per-token tensors))  ->  sdpa(q, k, v, is_causal=True)         (f causal)
+                                                            ->  masked_attention(q, k, v, pos, doc, valid, lo, hi)
+
+Under torch.compile (torch < 2.14) Hugging Face builds a [B, 1, N, N] boolean mask from aranges, position ids and
+the padding mask, and SDPA then runs its dense masked kernel: O(N²) memory and no flash. This pass reads what the
+mask computes (``passes/attention_mask.py``): a mask proven purely causal becomes ``is_causal=True`` with no mask
+(the flash kernel); packed documents, padding and sliding windows become ``tilecompile::masked_attention``, whose
+inputs are the per-token tensors the mask was built from (flash varlen on CUDA where exact, chunked otherwise).
+
+The mask is usually built once and used by every layer, inside activation-checkpoint bodies: the pass follows
+it into a higher-order op's body, hands the body the per-token tensors instead (new operands and placeholders),
+and rewrites the SDPA calls there. Checks, each a reason when it says no: the mask is index arithmetic over
+per-token tensors; every use of it is an SDPA mask (directly or through a body); q, k, v are 4-D with equal query
+and key lengths; dropout is 0 and ``is_causal`` False; GQA only with ``enable_gqa=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx as fx
+from tilecompile.passes import attention_mask as AM
+
+import tilecompile.ops.attention  # noqa: F401 - registers torch.ops.tilecompile.masked_attention
+from tilecompile import graph as G
+from tilecompile import reporting as R
+from tilecompile.pipeline import PassContext, PassResult, expect
+
+NAME = "attention"
+_SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _SDPA
+
+
+def _mask_arg(node: fx.Node) -> Any:
+    return G.arg(node, 3, "attn_mask")
+
+
+def _body(gm: fx.GraphModule, hop: fx.Node) -> fx.GraphModule | None:
+    """The body of a higher-order op call whose operands map one to one onto the body's placeholders."""
+    if hop.op != "call_function" or not isinstance(hop.target, torch._ops.HigherOrderOperator):
+        return None
+    if hop.target.name() not in ("tag_activation_checkpoint", "wrap"):
+        return None
+    first = hop.args[0] if hop.args else None
+    if not isinstance(first, fx.Node) or first.op != "get_attr":
+        return None
+    body = getattr(gm, first.target, None)
+    return body if isinstance(body, fx.GraphModule) else None
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+# ------------------------------------------------------------------------------------------------------ check
+
+
+def check_sdpa(node: fx.Node) -> str | None:
+    q, k, v = (G.arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+    qs, ks, vs = G.shape(q), G.shape(k), G.shape(v)
+    if qs is None or ks is None or vs is None:
+        return "missing example values (shapes unknown)"
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        return f"q {list(qs)}, k {list(ks)}, v {list(vs)} are not 4-D [B, H, N, D]"
+    if not G.same_size(qs[2], ks[2]):
+        return f"query length {qs[2]} != key length {ks[2]} (not self-attention over one sequence)"
+    dropout = G.arg(node, 4, "dropout_p", 0.0)
+    if dropout != 0:
+        return f"dropout_p={dropout!r} (only 0 is rewritten)"
+    if G.arg(node, 5, "is_causal", False) is not False:
+        return "is_causal is already set together with a mask"
+    if not G.same_size(qs[1], ks[1]) and not G.arg(node, 7, "enable_gqa", False):
+        return f"{qs[1]} query heads and {ks[1]} key heads without enable_gqa"
+    if G.dtype(q) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return f"dtype {G.dtype(q)}"
+    return None
+
+
+def check_uses(gm: fx.GraphModule, mask: fx.Node) -> str | None:
+    """Every use of ``mask`` is an SDPA mask that passes ``check_sdpa``, here or inside a body."""
+    for user in mask.users:
+        if is_sdpa(user) and _mask_arg(user) is mask and mask not in user.args[:3]:
+            reason = check_sdpa(user)
+            if reason:
+                return f"{user.name}: {reason}"
+            continue
+        body = _body(gm, user)
+        if body is not None and mask not in user.kwargs.values():
+            for i, a in enumerate(user.args[1:]):
+                if a is mask:
+                    reason = check_uses(body, _placeholders(body)[i])
+                    if reason:
+                        return reason
+            continue
+        return f"the mask is also used by {user.name} ({G.op(user) or user.target}), which would keep it alive"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- rewrite
+
+
+def _token_input(gm: fx.GraphModule, node: fx.Node, before: fx.Node) -> fx.Node:
+    """``node`` as [B or 1, N] (a rank-1 per-token tensor gets a leading 1)."""
+    if len(G.shape(node)) == 2:
+        return node
+    with gm.graph.inserting_before(before):
+        new = gm.graph.call_method("unsqueeze", (node, 0))
+    new.meta["example_value"] = G.example_value(node).unsqueeze(0)
+    return new
+
+
+def rewrite_uses(gm: fx.GraphModule, mask: fx.Node, spec: AM.MaskSpec, tokens: dict[str, fx.Node], out: list) -> None:
+    for user in list(mask.users):
+        if is_sdpa(user):
+            out.append(_rewrite_sdpa(gm, user, spec, tokens))
+            continue
+        body = _body(gm, user)
+        phs = _placeholders(body)
+        indices = [i for i, a in enumerate(user.args[1:]) if a is mask]
+        new_tokens = {}
+        for key, node in tokens.items():
+            last = _placeholders(body)[-1]
+            with body.graph.inserting_after(last):
+                ph = body.graph.placeholder(f"{node.name}_{key}")
+            ph.meta["example_value"] = G.example_value(node)
+            user.args = (*user.args, node)
+            new_tokens[key] = ph
+        for i in indices:
+            rewrite_uses(body, phs[i], spec, new_tokens, out)
+        for i in sorted(indices, reverse=True):
+            if not phs[i].users:
+                body.graph.erase_node(phs[i])
+                args = list(user.args)
+                del args[1 + i]
+                user.args = tuple(args)
+        body.recompile()
+
+
+def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: dict[str, fx.Node]) -> R.Rewrite:
+    q, k, v = (G.arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+    scale = G.arg(node, 6, "scale")
+    qs, ks = G.shape(q), G.shape(k)
+    graph = gm.graph
+    if spec.is_causal or spec.is_full:
+        kwargs = {"attn_mask": None, "dropout_p": 0.0, "is_causal": spec.is_causal, "scale": scale}
+        if G.arg(node, 7, "enable_gqa", False):
+            kwargs["enable_gqa"] = True
+        with graph.inserting_before(node):
+            new = graph.call_function(node.target, (q, k, v), kwargs)
+        detail = "is_causal=True, no mask (flash)" if spec.is_causal else "no mask (nothing masked)"
+        expect(new, G.example_value(node))
+        result = new
+    else:
+        if scale is None:
+            scale = 1.0 / math.sqrt(G.hint(qs[-1]))
+        args = (q, k, v, tokens.get("pos"), tokens.get("doc"), tokens.get("valid"), spec.lo, spec.hi, float(scale))
+        with graph.inserting_before(node):
+            call = graph.call_function(torch.ops.tilecompile.masked_attention.default, args)
+            result = graph.call_function(__import__("operator").getitem, (call, 0))
+        ev = G.example_value(node)
+        lse_dtype = torch.float64 if ev.dtype == torch.float64 else torch.float32
+        expect(call, (ev, ev.new_empty(ev.shape[:-1], dtype=lse_dtype)))
+        detail = f"masked_attention: {spec.describe()}"
+        new = call
+    for n in (new, result):
+        n.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        n.meta.setdefault("stack_trace", node.meta.get("stack_trace"))
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    shapes = {"q": tuple(G.hint(s) for s in qs), "k": tuple(G.hint(s) for s in ks)}
+    return R.Rewrite(
+        NAME, G.module_path(result) or G.module_path(new), shapes, {"q": str(G.dtype(q)).replace("torch.", "")}, detail
+    )
+
+
+# ------------------------------------------------------------------------------------------------------- run
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    result = PassResult()
+    masks: dict[fx.Node, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if is_sdpa(node) and isinstance(_mask_arg(node), fx.Node):
+            masks.setdefault(_mask_arg(node), []).append(node)
+        elif _body(gm, node) is not None:
+            body = _body(gm, node)
+            phs = _placeholders(body)
+            for i, a in enumerate(node.args[1:]):
+                if isinstance(a, fx.Node) and i < len(phs) and _reaches_sdpa_mask(body, phs[i]):
+                    masks.setdefault(a, [])
+    for mask, direct in masks.items():
+        if mask.op == "placeholder":
+            continue  # a body's mask comes from its parent graph, which reads it there
+        seq = _seq_len(gm, mask, direct)
+        candidate = f"mask {mask.name}"
+        path = G.module_path(direct[0]) if direct else ""
+        try:
+            spec = AM.analyze(mask, seq) if seq is not None else None
+        except AM.NotIndexArithmetic as exc:
+            result.skipped.append(R.Skip(NAME, candidate, path, f"the mask is not index arithmetic: {exc}"))
+            continue
+        if spec is None:
+            result.skipped.append(R.Skip(NAME, candidate, path, "sequence length unknown"))
+            continue
+        reason = check_uses(gm, mask)
+        if reason:
+            result.skipped.append(R.Skip(NAME, candidate, path, reason))
+            continue
+        tokens = {}
+        first_user = min(mask.users, key=_order(gm))
+        for key in ("pos", "doc", "valid"):
+            node = getattr(spec, key)
+            if node is not None:
+                tokens[key] = _token_input(gm, node, first_user)
+        rewrite_uses(gm, mask, spec, tokens, result.rewrites)
+    if result.rewrites:
+        G.eliminate_dead_code(gm.graph)
+    return result
+
+
+def _order(gm: fx.GraphModule):
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return lambda n: index[n]
+
+
+def _reaches_sdpa_mask(body: fx.GraphModule, ph: fx.Node) -> bool:
+    for user in ph.users:
+        if is_sdpa(user) and _mask_arg(user) is ph:
+            return True
+        inner = _body(body, user)
+        if inner is not None:
+            phs = _placeholders(inner)
+            if any(a is ph and _reaches_sdpa_mask(inner, phs[i]) for i, a in enumerate(user.args[1:])):
+                return True
+    return False
+
+
+def _seq_len(gm: fx.GraphModule, mask: fx.Node, direct: list[fx.Node]) -> Any:
+    """The sequence length the mask is read against: the mask's last dim (checked against q and k per use)."""
+    shp = G.shape(mask)
+    return shp[-1] if shp else None

@@ -1,0 +1,720 @@
+"""What an attention mask computed in the graph is, found by abstract interpretation of the nodes that build it.
+
+An SDPA mask built from positions is a pure function of (batch b, query i, key j) and per-token [B, N] tensors.
+``analyze(mask_node, n)`` walks the nodes that compute it and gives each an abstract value:
+
+- ``Num``: an integer linear form Σ coef·base + const over bases ``Idx(axis)`` (the index along a tensor axis,
+  as an arange broadcast there gives) and ``Tok(node, axis, batch_axis)`` (a per-token tensor ``node`` [B, N]
+  read at the index along ``axis``, and the batch index along ``batch_axis``);
+- ``Bool``: a formula of comparisons of such forms, truth values of boolean per-token tensors, and/or/not.
+
+Axes are counted from the right in the frame of the node's own shape, so broadcasting keeps them and views
+(``[:, None]``, ``unsqueeze``, ``expand``) remap them. Per-token tensors whose values cannot be folded (an input's
+``position_ids``, a padding mask, document ids computed from them) stay opaque and become the rewrite's inputs;
+those that can be folded (``arange + 0``, ``cumsum(diff(arange) != 1)`` = 0) are folded, which is how HF's
+packed-sequence detection over an in-graph arange is proven to be no constraint at all.
+
+The formula is then read as a conjunction of the supported atoms, in the final mask frame [..., N_q, N_kv]:
+``lo <= c_q - c_kv <= hi`` (c: the index, or one per-token position tensor), ``doc_q == doc_kv`` and
+``valid_kv``. Anything else (a disjunction, a head-dependent mask, a key offset, ...) is a reason, not a guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tilecompile import graph as G
+
+# ------------------------------------------------------------------------------------------------ abstract values
+
+
+@dataclasses.dataclass(frozen=True)
+class Idx:
+    axis: int  # negative: counted from the right
+
+
+@dataclasses.dataclass(frozen=True)
+class Tok:
+    node: fx.Node
+    axis: int  # token axis
+    batch_axis: int | None  # None: the tensor has no batch dimension (or it is read at batch 0 of a size-1 one)
+
+
+Base = Idx | Tok
+
+
+@dataclasses.dataclass(frozen=True)
+class Num:
+    terms: tuple[tuple[Base, int], ...]  # sorted, no zero coefficients
+    const: int
+
+    @staticmethod
+    def of(terms: dict, const: int) -> Num:
+        return Num(tuple(sorted(((b, c) for b, c in terms.items() if c), key=repr)), const)
+
+    @property
+    def is_const(self) -> bool:
+        return not self.terms
+
+    def add(self, other: Num, sign: int = 1) -> Num:
+        terms = dict(self.terms)
+        for b, c in other.terms:
+            terms[b] = terms.get(b, 0) + sign * c
+        return Num.of(terms, self.const + sign * other.const)
+
+    def scale(self, k: int) -> Num:
+        return Num.of({b: c * k for b, c in self.terms}, self.const * k)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bool:
+    kind: str  # "const", "cmp", "truth", "and", "or", "not"
+    args: tuple = ()
+
+    @staticmethod
+    def const(v: bool) -> Bool:
+        return Bool("const", (bool(v),))
+
+
+TRUE, FALSE = Bool.const(True), Bool.const(False)
+
+
+class NotIndexArithmetic(Exception):
+    """The mask (or a node it is built from) is not something this module can read; the message says which."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """``lo <= c_q - c_kv <= hi`` (None: unbounded; c = ``pos`` or the index), ``doc_q == doc_kv``, ``valid_kv``.
+
+    pos / doc / valid are per-token nodes of the mask's graph ([B, N], [1, N] or [N]).
+    """
+
+    lo: int | None = None
+    hi: int | None = None
+    pos: fx.Node | None = None
+    doc: fx.Node | None = None
+    valid: fx.Node | None = None
+
+    @property
+    def is_causal(self) -> bool:
+        return self.lo == 0 and self.hi is None and self.pos is None and self.doc is None and self.valid is None
+
+    @property
+    def is_full(self) -> bool:
+        return self.lo is None and self.hi is None and self.doc is None and self.valid is None
+
+    def describe(self) -> str:
+        c = f"{self.pos.name}" if self.pos is not None else "index"
+        parts = []
+        if self.lo is not None or self.hi is not None:
+            parts.append(
+                f"{self.lo if self.lo is not None else '-inf'} <= Δ{c} <= {self.hi if self.hi is not None else 'inf'}"
+            )
+        if self.doc is not None:
+            parts.append(f"same {self.doc.name}")
+        if self.valid is not None:
+            parts.append(f"key valid in {self.valid.name}")
+        return " and ".join(parts) or "all allowed"
+
+
+# ----------------------------------------------------------------------------------------------- axis remapping
+
+
+def _map_value(value: Any, fn) -> Any:
+    """Apply ``fn(axis) -> axis`` to every axis inside ``value``."""
+
+    def base(b):
+        if isinstance(b, Idx):
+            return Idx(fn(b.axis))
+        return Tok(b.node, fn(b.axis), None if b.batch_axis is None else fn(b.batch_axis))
+
+    if isinstance(value, Num):
+        return Num.of({base(b): c for b, c in value.terms}, value.const)
+    if isinstance(value, Bool):
+        if value.kind == "cmp":
+            op, a, b = value.args
+            return Bool("cmp", (op, _map_value(a, fn), _map_value(b, fn)))
+        if value.kind == "truth":
+            return Bool("truth", (base(value.args[0]),))
+        if value.kind in ("and", "or", "not"):
+            return Bool(value.kind, tuple(_map_value(a, fn) for a in value.args))
+        return value
+    return value
+
+
+def _index_view_map(in_rank: int, index: tuple) -> dict[int, int] | None:
+    """Input dim -> output dim (from the left) for an index of None / full slices / Ellipsis; None otherwise."""
+    n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
+    if n_real > in_rank or sum(1 for i in index if i is Ellipsis) > 1:
+        return None
+    mapping, src, dst = {}, 0, 0
+    for item in index:
+        if item is None:
+            dst += 1
+        elif item is Ellipsis:
+            for _ in range(in_rank - n_real):
+                mapping[src] = dst
+                src, dst = src + 1, dst + 1
+        elif isinstance(item, slice) and item == slice(None, None, None):
+            mapping[src] = dst
+            src, dst = src + 1, dst + 1
+        else:
+            return None
+    while src < in_rank:
+        mapping[src] = dst
+        src, dst = src + 1, dst + 1
+    return mapping
+
+
+def _remap(value: Any, in_rank: int, out_rank: int, mapping: dict[int, int]) -> Any:
+    def fn(axis: int) -> int:
+        return mapping[in_rank + axis] - out_rank
+
+    return _map_value(value, fn)
+
+
+# ------------------------------------------------------------------------------------------------ interpretation
+
+_CMP = {
+    operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge", operator.eq: "eq", operator.ne: "ne",
+    torch.lt: "lt", torch.le: "le", torch.gt: "gt", torch.ge: "ge", torch.eq: "eq", torch.ne: "ne",
+    torch.less: "lt", torch.less_equal: "le", torch.greater: "gt", torch.greater_equal: "ge",
+}  # fmt: skip
+_CMP_METHODS = {"lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "__lt__": "lt",
+                "__le__": "le", "__gt__": "gt", "__ge__": "ge", "__eq__": "eq", "__ne__": "ne"}  # fmt: skip
+_AND = {operator.and_, torch.logical_and, torch.bitwise_and}
+_OR = {operator.or_, torch.logical_or, torch.bitwise_or}
+_NOT = {operator.invert, torch.logical_not, torch.bitwise_not}
+_AND_M, _OR_M, _NOT_M = {"__and__", "logical_and", "bitwise_and"}, {"__or__", "logical_or", "bitwise_or"}, {
+    "__invert__", "logical_not", "bitwise_not"}  # fmt: skip
+_IDENTITY_METHODS = {"contiguous", "clone", "detach"}
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _cmp_name(node: fx.Node) -> str | None:
+    if node.op == "call_function":
+        return _CMP.get(node.target)
+    if node.op == "call_method":
+        return _CMP_METHODS.get(node.target)
+    return None
+
+
+def _logic_name(node: fx.Node) -> str | None:
+    if node.op == "call_function":
+        t = node.target
+        return "and" if t in _AND else "or" if t in _OR else "not" if t in _NOT else None
+    if node.op == "call_method":
+        t = node.target
+        return "and" if t in _AND_M else "or" if t in _OR_M else "not" if t in _NOT_M else None
+    return None
+
+
+def _fold_cmp(op: str, a: Num, b: Num) -> Bool:
+    d = a.add(b, -1)
+    if d.is_const:
+        v = d.const
+        return Bool.const({"lt": v < 0, "le": v <= 0, "gt": v > 0, "ge": v >= 0, "eq": v == 0, "ne": v != 0}[op])
+    return Bool("cmp", (op, a, b))
+
+
+def _and(a: Bool, b: Bool) -> Bool:
+    if a == FALSE or b == FALSE:
+        return FALSE
+    if a == TRUE:
+        return b
+    if b == TRUE:
+        return a
+    return Bool("and", (a, b))
+
+
+def _or(a: Bool, b: Bool) -> Bool:
+    if a == TRUE or b == TRUE:
+        return TRUE
+    if a == FALSE:
+        return b
+    if b == FALSE:
+        return a
+    return Bool("or", (a, b))
+
+
+def _not(a: Bool) -> Bool:
+    if a.kind == "const":
+        return Bool.const(not a.args[0])
+    if a.kind == "not":
+        return a.args[0]
+    return Bool("not", (a,))
+
+
+class Interpreter:
+    """Abstract values of the nodes a mask is built from; ``seq`` is the sequence length (q and kv)."""
+
+    def __init__(self, seq: Any) -> None:
+        self.seq = seq
+        self.memo: dict[fx.Node, Any] = {}
+
+    # A per-token tensor: [N], [1, N] or [B, N], not built from anything of the mask's [.., N, N] frame.
+    def is_token_level(self, node: fx.Node) -> bool:
+        shp = G.shape(node)
+        if shp is None or len(shp) not in (1, 2) or not G.same_size(shp[-1], self.seq):
+            return False
+        return G.dtype(node) in (*_INT_DTYPES, torch.bool)
+
+    def opaque(self, node: fx.Node) -> Any:
+        rank = len(G.shape(node))
+        base = Tok(node, -1, -2 if rank == 2 else None)
+        return Bool("truth", (base,)) if G.dtype(node) == torch.bool else Num.of({base: 1}, 0)
+
+    def value(self, node: Any) -> Any:
+        if not isinstance(node, fx.Node):
+            if isinstance(node, bool):
+                return Bool.const(node)
+            if isinstance(node, int):
+                return Num.of({}, node)
+            if isinstance(node, torch.SymInt):
+                raise NotIndexArithmetic(f"symbolic scalar {node} in the mask")
+            raise NotIndexArithmetic(f"constant {node!r} of type {type(node).__name__} in the mask")
+        if node in self.memo:
+            return self.memo[node]
+        try:
+            v = self._eval(node)
+        except NotIndexArithmetic:
+            if node.op != "placeholder" and self.is_token_level(node):
+                v = self.opaque(node)
+            else:
+                raise
+        self.memo[node] = v
+        return v
+
+    def _eval(self, node: fx.Node) -> Any:
+        name = G.op(node)
+        rank = len(G.shape(node) or ())
+        if node.op in ("placeholder", "get_attr"):
+            if self.is_token_level(node):
+                return self.opaque(node)
+            raise NotIndexArithmetic(f"{node.name} is a graph input of shape {G.shape(node)}, not per-token [B, N]")
+        if node.op == "call_function" and node.target is torch.arange:
+            return self._arange(node)
+        cmp = _cmp_name(node)
+        if cmp is not None:
+            a, b = (self._num(x) for x in (G.arg(node, 0, "input"), G.arg(node, 1, "other")))
+            return _fold_cmp(cmp, a, b)
+        logic = _logic_name(node)
+        if logic == "not":
+            return _not(self._bool(G.arg(node, 0, "input")))
+        if logic is not None:
+            a, b = (self._bool(x) for x in (G.arg(node, 0, "input"), G.arg(node, 1, "other")))
+            return _and(a, b) if logic == "and" else _or(a, b)
+        if name in ("add", "sub"):
+            a, b = self._num(G.arg(node, 0, "input")), self._num(G.arg(node, 1, "other"))
+            alpha = G.arg(node, 2, "alpha", 1)
+            if not isinstance(alpha, int):
+                raise NotIndexArithmetic(f"{node.name}: non-integer alpha")
+            return a.add(b.scale(alpha), 1 if name == "add" else -1)
+        if name == "mul":
+            a, b = self.value(G.arg(node, 0, "input")), self.value(G.arg(node, 1, "other"))
+            if isinstance(a, Bool) and isinstance(b, Bool):
+                return _and(a, b)
+            a, b = self._num(G.arg(node, 0, "input")), self._num(G.arg(node, 1, "other"))
+            if a.is_const:
+                return b.scale(a.const)
+            if b.is_const:
+                return a.scale(b.const)
+            raise NotIndexArithmetic(f"{node.name}: product of two index terms")
+        if name == "neg":
+            return self._num(G.arg(node, 0, "input")).scale(-1)
+        if name == "getitem":
+            return self._getitem(node, rank)
+        if name in ("unsqueeze",):
+            src = G.arg(node, 0, "input")
+            d = G.normalize_dim(G.arg(node, 1, "dim"), rank)
+            in_rank = rank - 1
+            mapping = {i: (i if i < d else i + 1) for i in range(in_rank)}
+            return _remap(self.value(src), in_rank, rank, mapping)
+        if name in ("expand", "expand_as", "broadcast_to") or name in _IDENTITY_METHODS:
+            return self.value(G.arg(node, 0, "input"))
+        if name in ("to", "type", "bool", "long", "int", "type_as"):
+            return self._cast(node)
+        if name in ("new_ones", "ones_like", "new_zeros", "zeros_like", "ones", "zeros", "new_full", "full_like",
+                    "full"):  # fmt: skip
+            return self._filled(node, name)
+        if name == "where":
+            return self._where(node)
+        if name == "diff":
+            return self._diff(node)
+        if name == "cumsum":
+            return self._cumsum(node)
+        raise NotIndexArithmetic(f"{node.name} ({name or node.target}) is not index arithmetic")
+
+    # -- helpers
+
+    def _num(self, x: Any) -> Num:
+        v = self.value(x)
+        if isinstance(v, Bool) and v.kind == "const":
+            return Num.of({}, int(v.args[0]))
+        if not isinstance(v, Num):
+            raise NotIndexArithmetic(f"{getattr(x, 'name', x)}: a boolean where a number is expected")
+        return v
+
+    def _bool(self, x: Any) -> Bool:
+        v = self.value(x)
+        if isinstance(v, Num):
+            if v.is_const:
+                return Bool.const(v.const != 0)
+            if len(v.terms) == 1 and isinstance(v.terms[0][0], Tok) and v.terms[0][1] == 1 and v.const == 0:
+                return Bool("truth", (v.terms[0][0],))  # an integer per-token tensor read as nonzero
+            return Bool("cmp", ("ne", v, Num.of({}, 0)))
+        return v
+
+    def _arange(self, node: fx.Node) -> Num:
+        args = [a for a in node.args]
+        if len(args) == 1:
+            start, end, step = 0, args[0], 1
+        elif len(args) == 2:
+            (start, end), step = args, 1
+        else:
+            start, end, step = args[:3]
+        step = node.kwargs.get("step", step)
+        start = node.kwargs.get("start", start)
+        if not isinstance(start, int) or step != 1 or isinstance(start, bool):
+            raise NotIndexArithmetic(f"{node.name}: arange with a non-literal start or a step other than 1")
+        return Num.of({Idx(-1): 1}, start)
+
+    def _cast(self, node: fx.Node) -> Any:
+        src = G.arg(node, 0, "input")
+        v = self.value(src)
+        target = G.dtype(node)
+        if target == torch.bool:
+            return self._bool(src)
+        if target in _INT_DTYPES:
+            if isinstance(v, Bool):
+                if v.kind == "const":
+                    return Num.of({}, int(v.args[0]))
+                raise NotIndexArithmetic(f"{node.name}: a boolean formula cast to integers")
+            return v
+        if G.dtype(src) == target:
+            return v
+        raise NotIndexArithmetic(f"{node.name}: cast to {target}")
+
+    def _filled(self, node: fx.Node, name: str) -> Any:
+        if name in ("new_full", "full_like", "full"):
+            fill = G.arg(node, 2 if name in ("new_full",) else 1, "fill_value")
+        else:
+            fill = 1 if "ones" in name else 0
+        if G.dtype(node) == torch.bool:
+            return Bool.const(bool(fill))
+        if isinstance(fill, bool) or not isinstance(fill, int):
+            raise NotIndexArithmetic(f"{node.name}: filled with {fill!r}")
+        return Num.of({}, fill)
+
+    def _where(self, node: fx.Node) -> Any:
+        cond = self._bool(G.arg(node, 0, "condition"))
+        a, b = self.value(G.arg(node, 1, "input")), self.value(G.arg(node, 2, "other"))
+        if isinstance(a, Bool) and isinstance(b, Bool) and a.kind == "const" and b.kind == "const":
+            if a.args[0] and not b.args[0]:
+                return cond
+            if b.args[0] and not a.args[0]:
+                return _not(cond)
+        raise NotIndexArithmetic(f"{node.name}: where() choosing other than True/False")
+
+    def _getitem(self, node: fx.Node, rank: int) -> Any:
+        src, index = node.args
+        index = index if isinstance(index, tuple) else (index,)
+        in_rank = len(G.shape(src) or ())
+        if any(isinstance(i, fx.Node) for i in index):
+            return self._gather(node, src, index)
+        mapping = _index_view_map(in_rank, index)
+        if mapping is not None:
+            return _remap(self.value(src), in_rank, rank, mapping)
+        return self._slice(node, src, index, in_rank, rank)
+
+    def _slice(self, node, src, index, in_rank, rank) -> Any:
+        """x[..., a:a+1] of a form indexed along that axis: the index becomes the constant a."""
+        v = self.value(src)
+        items = list(index)
+        if Ellipsis in items:
+            e = items.index(Ellipsis)
+            items[e : e + 1] = [slice(None)] * (in_rank - (len(items) - 1))
+        if len(items) != in_rank or any(i is None for i in items):
+            raise NotIndexArithmetic(f"{node.name}: indexing {index!r}")
+        subst: dict[int, int] = {}
+        for dim, item in enumerate(items):
+            if item == slice(None):
+                continue
+            if isinstance(item, slice) and item.step in (None, 1) and isinstance(item.start or 0, int):
+                start = item.start or 0
+                subst[dim - in_rank] = start
+                if item.stop != start + 1:
+                    raise NotIndexArithmetic(f"{node.name}: slice {item} of an index form")
+                continue
+            raise NotIndexArithmetic(f"{node.name}: indexing {index!r}")
+        return _substitute(v, subst, node)
+
+    def _gather(self, node: fx.Node, src: fx.Node, index: tuple) -> Any:
+        """``t[b_idx, t_idx]`` of a per-token tensor t with index forms: t read in the mask's frame."""
+        if not self.is_token_level(src):
+            raise NotIndexArithmetic(f"{node.name}: tensor-indexed {src.name} is not a per-token tensor")
+        in_rank = len(G.shape(src))
+        if len(index) != in_rank:
+            raise NotIndexArithmetic(f"{node.name}: {len(index)} indices into a rank-{in_rank} tensor")
+        idx = [self._num(i) for i in index]
+        tok = idx[-1]
+        bat = idx[0] if in_rank == 2 else None
+        if len(tok.terms) != 1 or not isinstance(tok.terms[0][0], Idx) or tok.terms[0][1] != 1:
+            raise NotIndexArithmetic(f"{node.name}: token index is not an index along one axis")
+        if (
+            bat is not None
+            and not bat.is_const
+            and (len(bat.terms) != 1 or not isinstance(bat.terms[0][0], Idx) or bat.terms[0][1] != 1 or bat.const)
+        ):
+            raise NotIndexArithmetic(f"{node.name}: batch index is not the batch index")
+        t_axis, t_off = tok.terms[0][0].axis, tok.const
+        b_axis = None if bat is None or bat.is_const else bat.terms[0][0].axis
+        if bat is not None and bat.is_const and bat.const != 0:
+            raise NotIndexArithmetic(f"{node.name}: a fixed batch row other than 0")
+        v = self.value(src)
+
+        def move(b):
+            if isinstance(b, Idx):
+                if b.axis == -1:
+                    return Idx(t_axis), t_off
+                raise NotIndexArithmetic(f"{node.name}: index along the batch axis of {src.name}")
+            if t_off:
+                raise NotIndexArithmetic(f"{node.name}: {src.name} read at an offset token index")
+            return Tok(b.node, t_axis, b_axis if b.batch_axis is not None else None), 0
+
+        return _rebase(v, move)
+
+    def _diff(self, node: fx.Node) -> Any:
+        """diff(x, prepend=p, dim=-1) of x = c·index + k with p = k - c: the constant c everywhere."""
+        x = self._num(G.arg(node, 0, "input"))
+        dim, n = G.arg(node, 2, "dim", -1), G.arg(node, 1, "n", 1)
+        prepend, append = G.arg(node, 3, "prepend"), G.arg(node, 4, "append")
+        if n != 1 or append is not None or prepend is None or dim not in (-1, len(G.shape(node)) - 1):
+            raise NotIndexArithmetic(f"{node.name}: diff form not folded")
+        p = self._num(prepend)
+        slope = dict(x.terms).get(Idx(-1), 0)
+        rest = Num.of({b: c for b, c in x.terms if b != Idx(-1)}, x.const)
+        if len(x.terms) == (1 if slope else 0) and p.is_const and p.const == rest.const - slope:
+            return Num.of({}, slope)
+        raise NotIndexArithmetic(f"{node.name}: diff of a non-affine per-token tensor")
+
+    def _cumsum(self, node: fx.Node) -> Any:
+        x = self.value(G.arg(node, 0, "input"))
+        dim = G.arg(node, 1, "dim")
+        if dim not in (-1, len(G.shape(node)) - 1):
+            raise NotIndexArithmetic(f"{node.name}: cumsum not along the token axis")
+        c = (
+            int(x.args[0])
+            if isinstance(x, Bool) and x.kind == "const"
+            else x.const
+            if isinstance(x, Num) and x.is_const
+            else None
+        )
+        if c is None:
+            raise NotIndexArithmetic(f"{node.name}: cumsum of a non-constant")
+        return Num.of({Idx(-1): c} if c else {}, c)
+
+
+def _rebase(value: Any, move) -> Any:
+    if isinstance(value, Num):
+        terms, const = {}, value.const
+        for b, c in value.terms:
+            nb, off = move(b)
+            terms[nb] = terms.get(nb, 0) + c
+            const += c * off
+        return Num.of(terms, const)
+    if isinstance(value, Bool):
+        if value.kind == "cmp":
+            op, a, b = value.args
+            return _fold_cmp(op, _rebase(a, move), _rebase(b, move))
+        if value.kind == "truth":
+            nb, off = move(value.args[0])
+            if off:
+                raise NotIndexArithmetic("a boolean per-token tensor read at an offset")
+            return Bool("truth", (nb,))
+        if value.kind in ("and", "or", "not"):
+            args = [_rebase(a, move) for a in value.args]
+            return _not(args[0]) if value.kind == "not" else (_and if value.kind == "and" else _or)(*args)
+    return value
+
+
+def _substitute(value: Any, subst: dict[int, int], node: fx.Node) -> Any:
+    def move(b):
+        if isinstance(b, Idx) and b.axis in subst:
+            return None, subst[b.axis]
+        if isinstance(b, Tok) and (b.axis in subst or b.batch_axis in subst):
+            raise NotIndexArithmetic(f"{node.name}: a slice of per-token tensor {b.node.name}")
+        return b, 0
+
+    def rebase_drop(v):
+        if isinstance(v, Num):
+            terms, const = {}, v.const
+            for b, c in v.terms:
+                nb, off = move(b)
+                if nb is None:
+                    const += c * off
+                else:
+                    terms[nb] = terms.get(nb, 0) + c
+            return Num.of(terms, const)
+        if isinstance(v, Bool) and v.kind == "cmp":
+            op, a, b = v.args
+            return _fold_cmp(op, rebase_drop(a), rebase_drop(b))
+        if isinstance(v, Bool) and v.kind in ("and", "or", "not"):
+            args = [rebase_drop(a) for a in v.args]
+            return _not(args[0]) if v.kind == "not" else (_and if v.kind == "and" else _or)(*args)
+        if isinstance(v, Bool) and v.kind == "truth":
+            move(v.args[0])
+        return v
+
+    return rebase_drop(value)
+
+
+# -------------------------------------------------------------------------------------------------- the mask spec
+
+
+def _conjuncts(f: Bool) -> list[Bool]:
+    if f.kind == "and":
+        return [c for a in f.args for c in _conjuncts(a)]
+    if f.kind == "not" and f.args[0].kind == "cmp":
+        op, a, b = f.args[0].args
+        flip = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}[op]
+        return [Bool("cmp", (flip, a, b))]
+    if f.kind == "not" and f.args[0].kind == "or":
+        return [c for a in f.args[0].args for c in _conjuncts(_not(a))]
+    return [f]
+
+
+def analyze(mask: fx.Node, seq: Any) -> MaskSpec:
+    """The spec of ``mask`` (a [.., N, N] bool, or 0 / -inf float, tensor node), or NotIndexArithmetic."""
+    shp = G.shape(mask)
+    if shp is None or len(shp) < 2 or len(shp) > 4:
+        raise NotIndexArithmetic(f"mask {mask.name} of shape {shp}")
+    if not (G.same_size(shp[-1], seq) and G.same_size(shp[-2], seq)):
+        raise NotIndexArithmetic(f"mask {mask.name} {list(shp)} is not [.., {seq}, {seq}]")
+    if len(shp) >= 3 and G.hint(shp[-3]) != 1:
+        raise NotIndexArithmetic(f"mask {mask.name} {list(shp)} differs per head")
+    interp = Interpreter(seq)
+    if G.dtype(mask) == torch.bool:
+        formula = interp._bool(mask)
+    elif G.dtype(mask) in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        formula = _additive(interp, mask)
+    else:
+        raise NotIndexArithmetic(f"mask {mask.name} of dtype {G.dtype(mask)}")
+    rank = len(shp)
+    q_axis, kv_axis, b_axis = -2, -1, (-4 if rank == 4 else None)
+    spec: dict[str, Any] = {}
+    for atom in _conjuncts(formula):
+        _read_atom(atom, spec, q_axis, kv_axis, b_axis)
+    lo, hi = spec.get("lo"), spec.get("hi")
+    if lo is not None and hi is not None and lo > hi:
+        raise NotIndexArithmetic("the mask allows no key at all")
+    return MaskSpec(lo, hi, spec.get("pos"), spec.get("doc"), spec.get("valid"))
+
+
+def _additive(interp: Interpreter, mask: fx.Node) -> Bool:
+    """A float mask that is 0 where allowed and -inf elsewhere: ``where(cond, 0, -inf)`` (or the reverse)."""
+    if G.op(mask) != "where":
+        raise NotIndexArithmetic(f"float mask {mask.name} is not where(cond, 0, -inf)")
+    a, b = G.arg(mask, 1, "input"), G.arg(mask, 2, "other")
+    cond = interp._bool(G.arg(mask, 0, "condition"))
+    if a == 0 and b == -math.inf:
+        return cond
+    if a == -math.inf and b == 0:
+        return _not(cond)
+    raise NotIndexArithmetic(f"float mask {mask.name} chooses {a!r} / {b!r}, not 0 / -inf")
+
+
+def _read_atom(atom: Bool, spec: dict, q_axis: int, kv_axis: int, b_axis: int | None) -> None:
+    if atom.kind == "const":
+        if not atom.args[0]:
+            raise NotIndexArithmetic("the mask is all False")
+        return
+    if atom.kind == "truth":
+        (b,) = atom.args
+        if isinstance(b, Tok) and b.axis == kv_axis and b.batch_axis in (b_axis, None):
+            _put(spec, "valid", b.node)
+            return
+        raise NotIndexArithmetic(f"a boolean per-token tensor read along axis {b.axis}, not the key axis")
+    if atom.kind != "cmp":
+        raise NotIndexArithmetic(f"a {atom.kind} of conditions (only conjunctions are rewritten)")
+    op, a, b = atom.args
+    d = a.add(b, -1)  # d (op) 0
+    terms = dict(d.terms)
+    coords = _coordinate(terms, q_axis, kv_axis, b_axis)
+    if coords is None:
+        raise NotIndexArithmetic(f"a comparison of {_describe_terms(terms)}")
+    kind, node, sign = coords  # d = sign * (c_q - c_kv) + const
+    if kind == "pos" and op == "eq" and d.const == 0:  # the same document (segment, sequence id) as the query
+        _put(spec, "doc", node)
+        return
+    if kind == "pos" and G.dtype(node) == torch.bool:
+        raise NotIndexArithmetic(f"a comparison {op} of boolean per-token {node.name} between query and key")
+    if kind == "pos":
+        _put(spec, "pos", node)
+    else:
+        _put(spec, "pos", None)
+    k = d.const
+    # sign*t + k (op) 0, with t = c_q - c_kv
+    if op in ("lt", "gt"):
+        op, k = ("le", k + 1) if op == "lt" else ("ge", k - 1)
+    if op == "ne":
+        raise NotIndexArithmetic("a != comparison of positions")
+    bounds = []
+    if op in ("le", "eq"):  # sign*t <= -k
+        bounds.append(("hi", -k) if sign > 0 else ("lo", k))
+    if op in ("ge", "eq"):  # sign*t >= -k
+        bounds.append(("lo", -k) if sign > 0 else ("hi", k))
+    for key, val in bounds:
+        old = spec.get(key)
+        spec[key] = val if old is None else (max(old, val) if key == "lo" else min(old, val))
+
+
+def _coordinate(terms: dict, q_axis: int, kv_axis: int, b_axis: int | None):
+    """("index", None, s) for s*(q - kv); ("pos", P, s) for s*(P_q - P_kv) of one per-token tensor P."""
+    if len(terms) != 2:
+        return None
+    (b1, c1), (b2, c2) = terms.items()
+    if c1 != -c2 or abs(c1) != 1:
+        return None
+    if isinstance(b1, Idx) and isinstance(b2, Idx):
+        axes = {b1.axis: c1, b2.axis: c2}
+        if set(axes) == {q_axis, kv_axis}:
+            return "index", None, axes[q_axis]
+        return None
+    if isinstance(b1, Tok) and isinstance(b2, Tok) and b1.node is b2.node:
+        if {b1.batch_axis, b2.batch_axis} - {b_axis, None}:
+            return None
+        axes = {b1.axis: c1, b2.axis: c2}
+        if set(axes) != {q_axis, kv_axis}:
+            return None
+        return "pos", b1.node, axes[q_axis]
+    return None
+
+
+def _put(spec: dict, key: str, node: fx.Node | None) -> None:
+    if key == "pos":
+        old = spec.get("coord", "unset")
+        if old != "unset" and old is not node:
+            raise NotIndexArithmetic("positions and indices both order the mask")
+        spec["coord"] = node
+        if node is not None:
+            spec["pos"] = node
+        return
+    old = spec.get(key)
+    if old is not None and old is not node:
+        raise NotIndexArithmetic(f"two different per-token tensors act as {key}")
+    spec[key] = node
+
+
+def _describe_terms(terms: dict) -> str:
+    def name(b):
+        return f"index[{b.axis}]" if isinstance(b, Idx) else f"{b.node.name}[{b.axis}]"
+
+    return " + ".join(f"{c}*{name(b)}" for b, c in terms.items()) or "constants"
