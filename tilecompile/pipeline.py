@@ -74,6 +74,8 @@ def run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str = "graph"
                 sub.recompile()
         except Exception as exc:  # noqa: BLE001 - any failure of a pass undoes it
             _restore(gm, saved)
+            if getattr(exc, "undo_is_unsafe", False):  # e.g. a sharded graph left without its collectives
+                raise
             reason = f"{type(exc).__name__}: {exc}"
             R.record(failures=[R.Failure(name, graph_name, reason)])
             if settings.strict:
