@@ -157,8 +157,8 @@ def reference(q, k, v, pos, doc, valid, lo, hi, scale):
 
 
 def varlen_plan(q, k, pos, doc, valid, lo, hi):
-    """Cumulative document lengths [docs + 1] (int32) when the flash varlen kernel computes this mask exactly, else
-    None. One host sync: the number of documents and the data checks come back together."""
+    """(cumulative document lengths [docs + 1] int32, longest document) when the flash varlen kernel computes this
+    mask exactly, else None. Two host syncs: the number of documents, then the data checks and the longest."""
     b, _, n, _ = q.shape
     if not q.is_cuda or valid is not None or k.shape[2] != n or q.dtype not in (torch.float16, torch.bfloat16):
         return None
@@ -183,13 +183,13 @@ def varlen_plan(q, k, pos, doc, valid, lo, hi):
         p = pos.expand(b, n)
         step_ok = (p[:, 1:] - p[:, :-1] == 1) | starts[:, 1:]
         bad_pos = ~step_ok.all()
-    count = flat.sum()
-    stats = torch.stack([count, seen_again.long(), bad_pos.long()]).tolist()
-    if stats[1] or stats[2]:
+    idx = flat.nonzero().squeeze(1).to(torch.int32)  # a host sync: the number of documents
+    cu = torch.cat([idx, torch.full((1,), b * n, dtype=torch.int32, device=q.device)])
+    longest = (cu[1:] - cu[:-1]).max()
+    seen_again, bad_pos, longest = torch.stack([seen_again.long(), bad_pos.long(), longest.long()]).tolist()
+    if seen_again or bad_pos:
         return None
-    idx = flat.nonzero().squeeze(1).to(torch.int32)
-    total = torch.tensor([b * n], dtype=torch.int32, device=q.device)
-    return torch.cat([idx, total])
+    return cu, int(longest)
 
 
 def _windows(lo, hi):
@@ -198,13 +198,26 @@ def _windows(lo, hi):
     return left, right
 
 
-def varlen_fwd(q, k, v, cu, lo, hi, scale):
+def varlen_fwd(q, k, v, plan, lo, hi, scale):
     """(out [B, H, N, D], lse [B, H, N] fp32) through the flash varlen kernel over documents ``cu``."""
     b, h, n, d = q.shape
+    cu, longest = plan
     qf, kf, vf = (t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (q, k, v))
     left, right = _windows(lo, hi)
     res = torch.ops.aten._flash_attention_forward(
-        qf, kf, vf, cu, cu, n, n, 0.0, lo == 0, False, scale=scale, window_size_left=left, window_size_right=right
+        qf,
+        kf,
+        vf,
+        cu,
+        cu,
+        longest,
+        longest,
+        0.0,
+        lo == 0,
+        False,
+        scale=scale,
+        window_size_left=left,
+        window_size_right=right,
     )
     out, lse = res[0], res[1]
     if tuple(lse.shape) != (h, b * n):
@@ -212,16 +225,17 @@ def varlen_fwd(q, k, v, cu, lo, hi, scale):
     return out.reshape(b, n, h, d).transpose(1, 2).contiguous(), lse.reshape(h, b, n).transpose(0, 1).contiguous()
 
 
-def varlen_bwd(grad_out, q, k, v, out, lse, cu, lo, hi, scale):
+def varlen_bwd(grad_out, q, k, v, out, lse, plan, lo, hi, scale):
     b, h, n, d = q.shape
     qf, kf, vf, of, gf = (
         t.transpose(1, 2).reshape(b * n, t.shape[1], d).contiguous() for t in (q, k, v, out, grad_out)
     )
+    cu, longest = plan
     lse_f = lse.transpose(0, 1).reshape(h, b * n).contiguous()
     left, right = _windows(lo, hi)
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: no dropout
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        gf, qf, kf, vf, of, lse_f, cu, cu, n, n, 0.0, lo == 0, unused, unused,
+        gf, qf, kf, vf, of, lse_f, cu, cu, longest, longest, 0.0, lo == 0, unused, unused,
         scale=scale, window_size_left=left, window_size_right=right,
     )  # fmt: skip
 

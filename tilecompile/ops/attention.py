@@ -3,8 +3,8 @@
 ``torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, valid, lo, hi, scale) -> (out, lse)``:
 q [B, H, N, D], k / v [B, Hkv, N, D] (H % Hkv == 0: GQA), pos / doc / valid optional per-token tensors
 [B or 1, N]; the mask is ``lo <= c_i - c_j <= hi`` (c = pos, or the token index without pos), ``doc_i == doc_j``
-and ``valid_j`` (see kernels/attention.py). ``out`` has q's shape and dtype; ``lse`` is fp32 (fp64 for fp64 inputs) [B, H, N] (+inf on a
-row with no allowed key, whose output is 0). Differentiable in q, k and v; the backward is
+and ``valid_j`` (see kernels/attention.py). ``out`` has q's shape and dtype; ``lse`` is [B, H, N] in fp32 (fp64
+for fp64 inputs), +inf on a row with no allowed key, whose output is 0. Differentiable in q, k and v; the backward is
 ``tilecompile::masked_attention_backward``, a custom op too, so AOTAutograd and Inductor keep both opaque and
 no [N, N] tensor ever exists.
 
@@ -55,9 +55,9 @@ def masked_attention(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_static(q, k, v, pos, doc, valid)
-    cu = K.varlen_plan(q, k, pos, doc, valid, lo, hi)
-    if cu is not None:
-        return K.varlen_fwd(q, k, v, cu, lo, hi, float(scale))
+    plan = K.varlen_plan(q, k, pos, doc, valid, lo, hi)
+    if plan is not None:
+        return K.varlen_fwd(q, k, v, plan, lo, hi, float(scale))
     return K.chunked_fwd(q, k, v, pos, doc, valid, lo, hi, float(scale))
 
 
@@ -84,9 +84,9 @@ def masked_attention_backward(
     hi: int | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cu = K.varlen_plan(q, k, pos, doc, valid, lo, hi)
-    if cu is not None:
-        return K.varlen_bwd(grad_out, q, k, v, out, lse, cu, lo, hi, float(scale))
+    plan = K.varlen_plan(q, k, pos, doc, valid, lo, hi)
+    if plan is not None:
+        return K.varlen_bwd(grad_out, q, k, v, out, lse, plan, lo, hi, float(scale))
     return K.chunked_bwd(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, float(scale))
 
 
