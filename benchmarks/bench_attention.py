@@ -218,8 +218,9 @@ def e2e(device, methods, lengths, docs, layers) -> list[dict]:
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 grad_norm = torch.stack([p.grad.float().norm() for p in model.parameters() if p.grad is not None])
-                row.update(ok=True, tok_s=n / dt, step_s=dt, peak_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
-                           loss=loss.item(), grad_norm=grad_norm.norm().item())  # fmt: skip
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                row.update(ok=True, tok_s=n / dt, step_s=dt, peak_gib=peak, loss=loss.item(),
+                           grad_norm=grad_norm.norm().item())  # fmt: skip
             except torch.cuda.OutOfMemoryError:
                 row.update(ok=False, error="OOM")
             except Exception as exc:  # a compiler failure is a result too
@@ -230,6 +231,8 @@ def e2e(device, methods, lengths, docs, layers) -> list[dict]:
                 r = tilecompile.report()
                 row["counts"] = r.counts
                 row["attention"] = sorted({x.detail for x in r.rewrites if x.pass_name == "attention"})
+                row["attention_skipped"] = sorted({s.reason for s in r.skipped if s.pass_name == "attention"})
+                row["failures"] = [f"{f.pass_name}: {f.reason[:400]}" for f in r.failures]
                 tilecompile.reset()
             print(json.dumps(row), flush=True)
             rows.append(row)
