@@ -1,10 +1,11 @@
 """tilecompile: a torch.compile backend that rewrites LLM training graphs to use far less memory.
 
 ``torch.compile(model, backend="tilecompile")`` needs no import of this package (it is registered through the
-``torch_dynamo_backends`` entry point). Import it for ``report()``, ``reset()`` and the fused ops.
+``torch_dynamo_backends`` entry point). Import it for ``report()``, ``reset()``, ``parallelize()`` and the fused ops.
 """
 
+from tilecompile.parallel import parallelize
 from tilecompile.reporting import Report, report, reset
 
-__all__ = ["Report", "report", "reset"]
+__all__ = ["Report", "parallelize", "report", "reset"]
 __version__ = "0.1.0"

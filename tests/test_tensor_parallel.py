@@ -1,0 +1,317 @@
+"""Tensor parallel: ``tilecompile.parallelize`` + ``passes/tensor_parallel.py`` on gloo (CPU), 2 and 4 processes.
+
+Each spawned rank builds the same tiny HF model, runs the unsharded model eagerly for the reference, then shards a
+copy, compiles a PPO-style log-prob + entropy loss through the backend and checks: the loss equals the reference,
+every gradient equals the reference's (sharded ones against the matching slice), and the compiled forward and
+backward graphs hold exactly the expected functional collectives. Several configurations run inside one spawn
+(process start and imports cost more than a tiny compile).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import sys
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tilecompile
+from tilecompile import parallel as TP
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB = 8, 4, 8, 64, 96, 128
+RTOL, ATOL = 1e-4, 2e-5
+VOCAB_PARALLEL_FUSED = False  # the fused lm_head does not take a vocab-parallel weight yet: logits are gathered
+
+PLAN = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "vocab_colwise",
+}
+
+
+def tiny(arch: str, layers: int = 2, tied: bool = False) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    cfg = cfg_cls(
+        hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=VOCAB, max_position_embeddings=64,
+        attn_implementation="sdpa", tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return model_cls(cfg).train()
+
+
+def batch(n: int = 2, seq: int = 8, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, seq), generator=g)
+    mask = torch.ones(n, seq, dtype=torch.long)
+    mask[0, -2:] = 0
+    old_logp = -torch.rand(n, seq - 1, generator=g) * 5
+    adv = torch.randn(n, generator=g)
+    return ids, mask, old_logp, adv
+
+
+def ppo_loss(model, ids, mask, old_logp, adv):
+    """Log-probs and entropy of temperature-scaled shifted logits; clipped PPO loss minus an entropy bonus."""
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1] / 0.9
+    logp = torch.gather(F.log_softmax(logits, dim=-1), -1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+    response = mask[:, 1:].float()
+    ratio = torch.exp(logp - old_logp)
+    pg = torch.maximum(-adv[:, None] * ratio, -adv[:, None] * ratio.clamp(0.8, 1.2))
+    return ((pg - 0.01 * entropy) * response).sum() / response.sum()
+
+
+# ------------------------------------------------------------------------------------- graph capture
+
+_COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+}
+
+
+def count_collectives(gm: torch.fx.GraphModule) -> Counter:
+    """``Counter`` of functional collectives in an AOT graph: all_reduce:sum, all_reduce:max, all_gather, ..."""
+    out: Counter = Counter()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target.namespace != "_c10d_functional":
+            continue
+        name = _COLLECTIVES.get(node.target._opname)
+        if name is None:
+            continue
+        if name == "all_reduce":
+            name += ":" + str(node.args[1])
+        out[name] += 1
+    return out
+
+
+class GraphCapture:
+    """Replaces the backend's inner compiler by AOTAutograd (eager) with compilers that keep the fw/bw graphs."""
+
+    def __init__(self) -> None:
+        self.fw: list[torch.fx.GraphModule] = []
+        self.bw: list[torch.fx.GraphModule] = []
+
+    def __enter__(self) -> GraphCapture:
+        from tilecompile import backend
+
+        self._saved = backend._inner_compile
+
+        def inner(gm, example_inputs, inner, mode, options):
+            if os.environ.get("TP_DUMP") and dist.get_rank() == 0:
+                open(os.environ["TP_DUMP"], "w").write(gm.print_readable(print_output=False))
+            from functorch.compile import make_boxed_func
+            from torch._functorch.aot_autograd import aot_module_simplified
+
+            def keep(into):
+                def compiler(g, _inputs):
+                    into.append(g)
+                    return make_boxed_func(g.forward)
+
+                return compiler
+
+            return aot_module_simplified(gm, example_inputs, fw_compiler=keep(self.fw), bw_compiler=keep(self.bw))
+
+        backend._inner_compile = inner
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from tilecompile import backend
+
+        backend._inner_compile = self._saved
+
+    def counts(self) -> tuple[Counter, Counter]:
+        fw, bw = Counter(), Counter()
+        for g in self.fw:
+            fw += count_collectives(g)
+        for g in self.bw:
+            bw += count_collectives(g)
+        return fw, bw
+
+
+# ------------------------------------------------------------------------------------------ spawning
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, scenario: str, args: tuple) -> None:
+    os.environ["CI"] = "true"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        (globals().get(scenario) or getattr(sys.modules[__name__], scenario))(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, scenario: str, *args) -> None:
+    torch.multiprocessing.spawn(_entry, args=(world, _free_port(), scenario, args), nprocs=world, join=True)
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def reference(arch: str, tied: bool, data, layers: int = 2):
+    model = tiny(arch, layers, tied)
+    full = copy.deepcopy(model)
+    loss = ppo_loss(full, *data)
+    loss.backward()
+    return model, full, loss.detach()
+
+
+def check_grads(model, full, rank: int, world: int) -> None:
+    from helpers import assert_close
+
+    ref = dict(full.named_parameters())
+    for name, p in model.named_parameters():
+        q = ref[name]
+        spec = TP.spec_of(p)
+        expected = q.grad
+        if spec is not None and spec.dim is not None:
+            expected = TP._shard(q.grad, spec.dim, rank, world, spec.parts)
+        assert p.grad is not None, f"no grad for {name}"
+        assert_close(p.grad, expected, rtol=RTOL, atol=ATOL, name=f"rank {rank} grad of {name}")
+
+
+def run_tp(rank, world, arch, options, tied=False, sp=False, plan=PLAN):
+    """One configuration: returns the (forward, backward) collective counts after checking values."""
+    from helpers import assert_close, compile_options
+
+    data = batch()
+    model, full, expected = reference(arch, tied, data)
+    tilecompile.parallelize(model, plan, sequence_parallel=sp)
+    torch._dynamo.reset()
+    tilecompile.reset()
+    with GraphCapture() as cap:
+        loss = torch.compile(ppo_loss, backend="tilecompile", options=compile_options(**options))(model, *data)
+        loss.backward()
+    assert_close(loss, expected, rtol=RTOL, atol=ATOL, name=f"rank {rank} loss")
+    check_grads(model, full, rank, world)
+    return cap.counts(), tilecompile.report()
+
+
+def expected_counts(layers: int, fused: bool, tied: bool = False) -> tuple[Counter, Counter]:
+    """Plain TP: per attention block and per MLP one all_reduce forward (rowwise) and one backward (the colwise
+    input); the lm_head's input one backward; its statistics (fused: max then sum) or its gathered logits."""
+    fw = Counter({"all_reduce:sum": 2 * layers})
+    bw = Counter({"all_reduce:sum": 2 * layers + 1})
+    if fused:
+        fw += Counter({"all_reduce:max": 1, "all_reduce:sum": 1})
+    else:
+        fw += Counter({"all_gather": 1})
+    if tied:  # the vocab-parallel embedding's lookup
+        fw += Counter({"all_reduce:sum": 1})
+    return fw, bw
+
+
+def check_plain(rank, world, arch, options):
+    (fw, bw), rep = run_tp(rank, world, arch, options)
+    fused = options.get("fused_linear_ce", 1) == 1 and VOCAB_PARALLEL_FUSED
+    want_fw, want_bw = expected_counts(2, fused)
+    assert (fw, bw) == (want_fw, want_bw), f"{arch} {options}: fw {dict(fw)} bw {dict(bw)}\n{rep}"
+    regions = {r.module_path: r.detail for r in rep.rewrites if r.pass_name == "tensor_parallel"}
+    assert sorted(regions) == ["lm_head", "model.layers.0.mlp", "model.layers.0.self_attn", "model.layers.1.mlp",
+                               "model.layers.1.self_attn"], regions  # fmt: skip
+    assert "gate_proj:colwise, up_proj:colwise, down_proj:rowwise" in regions["model.layers.0.mlp"], regions
+    assert "forward: all_reduce(down_proj); backward: all_reduce(gate_proj)" in regions["model.layers.0.mlp"]
+    assert "q_proj:colwise, k_proj:colwise, v_proj:colwise, o_proj:rowwise" in regions["model.layers.1.self_attn"]
+    assert rep.counts["tiled_mlp"] == (0 if options.get("tiled_mlp", 1) == 0 else 2), rep
+    assert rep.counts["fused_linear_ce"] == (1 if fused else 0), rep
+
+
+def scenario_two(rank, world):
+    """2 ranks: Llama with every pass, with the fused lm_head off, with the tiled MLP off; Qwen2 (q/k/v biases)."""
+    check_plain(rank, world, "llama", {})
+    check_plain(rank, world, "llama", {"fused_linear_ce": 0})
+    check_plain(rank, world, "llama", {"tiled_mlp": 0})
+    check_plain(rank, world, "qwen2", {})
+    check_plain(rank, world, "qwen2", {"tiled_mlp": 0, "fused_linear_ce": 0})
+
+
+def scenario_four(rank, world):
+    """4 ranks: plan errors, then Llama and Qwen2 with every pass."""
+    scenario_errors(rank, world)
+    check_plain(rank, world, "llama", {})
+    check_plain(rank, world, "qwen2", {"fused_linear_ce": 0})
+
+
+def scenario_errors(rank, world):
+    """Plans that cannot be applied on 4 ranks fail with the reason, before touching the model."""
+    transformers = pytest.importorskip("transformers")
+    small = tiny("llama", layers=1)
+    small.model.layers[0].mlp.gate_proj = torch.nn.Linear(HIDDEN, 90, bias=False)
+    with pytest.raises(TP.PlanError, match=r"gate_proj.weight \[90, 64\]: dim 0 of size 90 is not divisible by the "
+                                           r"tensor-parallel size 4"):  # fmt: skip
+        tilecompile.parallelize(small, {"model.layers.0.mlp.gate_proj": "colwise"})
+    cfg = transformers.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,
+                                   num_key_value_heads=2, head_dim=8, vocab_size=VOCAB)  # fmt: skip
+    odd = transformers.LlamaForCausalLM(cfg)
+    with pytest.raises(TP.PlanError, match=r"k_proj: 2 key/value heads .* do not divide by the tensor-parallel size 4"):
+        tilecompile.parallelize(odd, {"model.layers.*.self_attn.k_proj": "colwise"})
+    with pytest.raises(TP.PlanError, match=r"q_proj: 6 heads .* do not divide by the tensor-parallel size 4"):
+        tilecompile.parallelize(odd, {"model.layers.*.self_attn.q_proj": "colwise"})
+    assert all(TP.spec_of(p) is None for p in odd.parameters())
+    model = tiny("llama")
+    tilecompile.parallelize(model, PLAN)
+    assert tuple(model.model.layers[0].self_attn.k_proj.weight.shape) == (KV_HEADS * HEAD_DIM // 4, HIDDEN)
+    assert tuple(model.model.layers[0].self_attn.o_proj.weight.shape) == (HIDDEN, HEADS * HEAD_DIM // 4)
+    assert tuple(model.lm_head.weight.shape) == (VOCAB // 4, HIDDEN)
+    spec = TP.spec_of(model.model.layers[1].mlp.down_proj.weight)
+    assert (spec.style, spec.dim, spec.world, spec.rank, spec.global_shape) == ("rowwise", 1, 4, rank, (HIDDEN, INTER))
+
+
+@pytest.mark.distributed
+def test_two_ranks_match_unsharded():
+    spawn(2, "scenario_two")
+
+
+@pytest.mark.distributed
+def test_four_ranks_match_unsharded():
+    spawn(4, "scenario_four")
+
+
+# ------------------------------------------------------------------------------------ parallelize errors
+
+
+@pytest.fixture
+def one_process_group():
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_plan_errors_name_the_problem(one_process_group):
+    model = tiny("llama")
+    with pytest.raises(TP.PlanError, match="unknown style.*allowed: colwise, rowwise"):
+        tilecompile.parallelize(model, {"lm_head": "columnwise"})
+    with pytest.raises(TP.PlanError, match=r"matches no module.*closest names: model\.layers\.\*\.mlp\.gate_proj"):
+        tilecompile.parallelize(model, {"model.layers.*.mlp.gate_prj": "colwise"})
+    assert TP.info_of(model) is None and all(TP.spec_of(p) is None for p in model.parameters())
+    tilecompile.parallelize(model, {"lm_head": "vocab_colwise"})
+    with pytest.raises(TP.PlanError, match="already parallelized"):
+        tilecompile.parallelize(model, {"lm_head": "vocab_colwise"})

@@ -1,0 +1,234 @@
+"""``tilecompile.parallelize(model, plan, group)``: shard a model's parameters in place for tensor parallelism.
+
+    plan = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+            "model.layers.*.mlp.gate_proj": "colwise", ..., "lm_head": "vocab_colwise"}
+    tilecompile.parallelize(model, plan, group=tp_group)
+    model = torch.compile(model, backend="tilecompile")
+
+Keys are globs over module names (``fnmatch``: ``*`` matches any text, dots included); each matched module's
+``weight`` (and ``bias``) is replaced in place by this rank's slice, a plain tensor: the same ``Parameter`` objects
+stay in the model (tied weights stay tied, optimizers built later see the local shards). Each sharded parameter
+carries a ``ShardSpec`` (style, dim, group, global shape) that ``passes/tensor_parallel.py`` reads to put the
+collectives in the compiled graph. Without the backend (eager) a parallelized model computes garbage: compile it.
+
+Styles:
+- ``colwise``: weight [out, in] split on out (dim 0), bias too; output features are sharded.
+- ``rowwise``: weight split on in (dim 1); the bias stays whole (added once, after the all-reduce).
+- ``packed_colwise``: a fused weight whose output features are several parts (gate_up: two equal halves; qkv: the
+  q, k, v sizes from the attention module's head counts); each part is split on its own, so this rank holds
+  [gate_r; up_r] and ``chunk(2, -1)`` of its output gives its local gate and up.
+- ``vocab_colwise``: an lm_head split on the vocabulary (dim 0); tied or not (a tied input embedding then looks
+  up its local rows, and the pass sums the lookups across ranks).
+
+Attention projections are split by whole heads: q/k/v colwise, o rowwise; the head counts (KV heads too) must
+divide by the group size. Hugging Face Llama / Qwen2 attention reshape with ``(*input_shape, -1, head_dim)``, so
+the local head count follows from the local weight and nothing in the module needs changing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import re
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+STYLES = ("colwise", "rowwise", "packed_colwise", "vocab_colwise")
+_ATTR = "_tilecompile_shard"
+_MODEL_ATTR = "_tilecompile_parallel"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """What the pass needs to know of one sharded parameter."""
+
+    fqn: str
+    style: str  # one of STYLES
+    dim: int | None  # the sharded tensor dim; None: not sharded (a rowwise bias, added after the reduction)
+    group: str  # the process group's name (what the functional collectives take)
+    world: int
+    rank: int
+    global_shape: tuple[int, ...]
+    parts: tuple[int, ...] = ()  # packed_colwise: global sizes of the parts along ``dim``
+    sequence_parallel: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelInfo:
+    """Stored on the model by ``parallelize``: the plan and what it sharded."""
+
+    plan: dict[str, str]
+    group: str
+    world: int
+    rank: int
+    sequence_parallel: bool
+    params: dict[str, ShardSpec]
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied; the message says which entry and why."""
+
+
+def spec_of(t: object) -> ShardSpec | None:
+    """The ShardSpec ``parallelize`` attached to parameter ``t`` (None for a replicated or unknown tensor)."""
+    return getattr(t, _ATTR, None) if isinstance(t, torch.Tensor) else None
+
+
+def info_of(model: torch.nn.Module) -> ParallelInfo | None:
+    return getattr(model, _MODEL_ATTR, None)
+
+
+def _heads_module(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """The attention module a projection belongs to (its parent, when that has ``head_dim``)."""
+    parent = name.rsplit(".", 1)[0] if "." in name else ""
+    mod = model.get_submodule(parent) if parent else model
+    return mod if isinstance(getattr(mod, "head_dim", None), int) else None
+
+
+def _config_of(model: torch.nn.Module, attn: torch.nn.Module):
+    return getattr(attn, "config", None) or getattr(model, "config", None)
+
+
+def _packed_parts(model: torch.nn.Module, name: str, rows: int) -> tuple[int, ...]:
+    """Global sizes of a packed weight's parts: q, k, v of a fused qkv; else two equal halves (gate_up)."""
+    leaf = name.rsplit(".", 1)[-1]
+    attn = _heads_module(model, name)
+    if "qkv" in leaf and attn is not None:
+        cfg = _config_of(model, attn)
+        heads = getattr(cfg, "num_attention_heads", None)
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        if heads is not None and (heads + 2 * kv) * attn.head_dim == rows:
+            return (heads * attn.head_dim, kv * attn.head_dim, kv * attn.head_dim)
+        raise PlanError(f"{name}: cannot tell the q/k/v sizes of a packed weight with {rows} rows")
+    if rows % 2:
+        raise PlanError(f"{name}: packed_colwise needs two equal halves (gate, up) but the weight has {rows} rows")
+    return (rows // 2, rows // 2)
+
+
+def _check_heads(model: torch.nn.Module, name: str, rows: int, world: int, parts: tuple[int, ...]) -> None:
+    attn = _heads_module(model, name)
+    if attn is None:
+        return
+    hd = attn.head_dim
+    for size in parts or (rows,):
+        if size % hd:
+            continue  # not a head-structured output
+        heads = size // hd
+        if heads % world:
+            leaf = name.rsplit(".", 1)[-1]
+            kind = "key/value heads" if leaf.startswith(("k", "v")) else "heads"
+            raise PlanError(
+                f"{name}: {heads} {kind} (out_features {size} = {heads} x head_dim {hd}) do not divide by the "
+                f"tensor-parallel size {world}; attention is split by whole heads"
+            )
+
+
+def _closest(pattern: str, names: list[str]) -> list[str]:
+    generic = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in names} | set(names))
+    return difflib.get_close_matches(pattern, generic, n=3, cutoff=0.5)
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, world: int, parts: tuple[int, ...]) -> torch.Tensor:
+    if not parts:
+        size = t.shape[dim] // world
+        return t.narrow(dim, rank * size, size).clone(memory_format=torch.contiguous_format)
+    pieces, start = [], 0
+    for p in parts:
+        size = p // world
+        pieces.append(t.narrow(dim, start + rank * size, size))
+        start += p
+    return torch.cat(pieces, dim=dim).contiguous()
+
+
+def parallelize(
+    model: torch.nn.Module,
+    plan: Mapping[str, str],
+    group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+) -> torch.nn.Module:
+    """Shard ``model``'s parameters in place by ``plan`` over ``group`` (default: the whole world); returns it."""
+    if info_of(model) is not None:
+        raise PlanError("this model is already parallelized (tilecompile.parallelize was called on it before)")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("tilecompile.parallelize needs torch.distributed initialized (init_process_group)")
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    group_name = group.group_name
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise PlanError(f"plan[{pattern!r}] = {style!r}: unknown style; allowed: {', '.join(STYLES)}")
+
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n]
+    chosen: dict[str, tuple[str, str]] = {}  # module name -> (style, pattern)
+    for pattern, style in plan.items():
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            close = _closest(pattern, names)
+            hint = f"; closest names: {', '.join(close)}" if close else ""
+            raise PlanError(f"plan key {pattern!r} matches no module of {type(model).__name__}{hint}")
+        for n in hits:
+            if n in chosen and chosen[n][0] != style:
+                raise PlanError(f"{n} is matched by {chosen[n][1]!r} ({chosen[n][0]}) and {pattern!r} ({style})")
+            chosen[n] = (style, pattern)
+
+    # check everything first, so an error leaves the model untouched
+    todo: list[tuple[str, torch.nn.Parameter, ShardSpec]] = []
+    seen: dict[int, ShardSpec] = {}
+    for name, (style, pattern) in chosen.items():
+        mod = modules[name]
+        weight = getattr(mod, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise PlanError(f"{name} (matched by {pattern!r}) has no 2-D weight to shard as {style}")
+        if spec_of(weight) is not None:
+            raise PlanError(f"{name}.weight is already sharded (a model parallelized twice?)")
+        shape = tuple(weight.shape)
+        dim = 1 if style == "rowwise" else 0
+        parts = _packed_parts(model, name, shape[0]) if style == "packed_colwise" else ()
+        for size in parts or (shape[dim],):
+            if size % world:
+                what = "a part of " if parts else ""
+                raise PlanError(
+                    f"{name}.weight {list(shape)}: {what}dim {dim} of size {size} is not divisible by the "
+                    f"tensor-parallel size {world} ({style})"
+                )
+        if style in ("colwise", "packed_colwise", "rowwise"):
+            _check_heads(model, name, shape[0] if dim == 0 else shape[1], world, parts)
+        spec = ShardSpec(f"{name}.weight", style, dim, group_name, world, rank, shape, parts, sequence_parallel)
+        if id(weight) in seen and seen[id(weight)].style != style:
+            raise PlanError(f"{name}.weight is tied to {seen[id(weight)].fqn} with another style")
+        seen[id(weight)] = spec
+        todo.append((f"{name}.weight", weight, spec))
+        bias = getattr(mod, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            bdim = None if style == "rowwise" else 0
+            bspec = ShardSpec(f"{name}.bias", style, bdim, group_name, world, rank, tuple(bias.shape), parts,
+                              sequence_parallel)  # fmt: skip
+            todo.append((f"{name}.bias", bias, bspec))
+
+    params: dict[str, ShardSpec] = {}
+    done: set[int] = set()
+    for fqn, p, spec in todo:
+        if id(p) not in done:
+            with torch.no_grad():
+                if spec.dim is not None:
+                    p.data = _shard(p.data, spec.dim, rank, world, spec.parts)
+            setattr(p, _ATTR, spec)
+            done.add(id(p))
+        params[fqn] = spec
+    for name in chosen:
+        mod = modules[name]
+        if isinstance(mod, torch.nn.Linear):
+            mod.out_features, mod.in_features = mod.weight.shape
+    # a tied input embedding (same Parameter as a vocab_colwise lm_head) now holds this rank's rows
+    for mod in modules.values():
+        if isinstance(mod, torch.nn.Embedding) and spec_of(mod.weight) is not None:
+            mod.num_embeddings = mod.weight.shape[0]
+    setattr(model, _MODEL_ATTR, ParallelInfo(dict(plan), group_name, world, rank, sequence_parallel, params))
+    return model
+
+
+__all__ = ["STYLES", "ParallelInfo", "PlanError", "ShardSpec", "info_of", "parallelize", "spec_of"]
