@@ -184,15 +184,21 @@ def step_fn(model):
     return step
 
 
-def e2e(device, methods, lengths, docs, layers) -> list[dict]:
+class _Done(Exception):
+    pass
+
+
+def e2e(device, methods, lengths, docs, layers, single=False) -> list[dict]:
     rows = []
     for method in methods:
         model = make_model(layers, device)
         step = step_fn(model)
+        # dynamic=False: each length compiles on its own (an automatic-dynamic recompile crashes in torch 2.11's
+        # backward, issue #13)
         if method == "inductor":
-            step = torch.compile(step)
+            step = torch.compile(step, dynamic=False)
         elif method == "tilecompile":
-            step = torch.compile(step, backend="tilecompile")
+            step = torch.compile(step, backend="tilecompile", dynamic=False)
         for n in lengths:
             ids = torch.randint(0, 151936, (1, n), device=device)
             adv = torch.randn(1, n - 1, device=device)
@@ -207,6 +213,10 @@ def e2e(device, methods, lengths, docs, layers) -> list[dict]:
                 loss.backward()
                 torch.cuda.synchronize()
                 row["first_s"] = time.perf_counter() - t0
+                if single:  # one step (compile included) and its peak: what fits, not how fast
+                    peak = torch.cuda.max_memory_allocated() / 2**30
+                    row.update(ok=True, peak_total_gib=peak, loss=loss.item())
+                    raise _Done
                 for p in model.parameters():
                     p.grad = None
                 torch.cuda.empty_cache()
@@ -221,6 +231,8 @@ def e2e(device, methods, lengths, docs, layers) -> list[dict]:
                 peak = (torch.cuda.max_memory_allocated() - base) / 2**30
                 row.update(ok=True, tok_s=n / dt, step_s=dt, peak_gib=peak, loss=loss.item(),
                            grad_norm=grad_norm.norm().item())  # fmt: skip
+            except _Done:
+                pass
             except torch.cuda.OutOfMemoryError:
                 row.update(ok=False, error="OOM")
             except Exception as exc:  # a compiler failure is a result too
@@ -254,6 +266,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="16384")
     ap.add_argument("--docs", type=int, default=0)
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--single", action="store_true", help="one step per length: compile + step time and peak")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     import tilecompile.ops.attention  # noqa: F401
@@ -267,7 +280,7 @@ def main() -> None:
         out["rows"] += ops(device, a.ops_n, max(a.docs, 16))
     if a.e2e:
         lengths = [int(x) for x in a.lengths.split(",")]
-        out["rows"] += e2e(device, a.methods.split(","), lengths, a.docs, a.layers)
+        out["rows"] += e2e(device, a.methods.split(","), lengths, a.docs, a.layers, a.single)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

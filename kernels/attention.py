@@ -118,7 +118,7 @@ def chunked_bwd(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, scale):
     hkv, n_kv = k.shape[1], k.shape[2]
     ct = _compute_dtype(q.dtype)
     kc, vc = k.to(ct)[:, :, None], v.to(ct)[:, :, None]
-    dq = torch.empty_like(q)
+    dq = q.new_empty(q.shape)
     dk = torch.zeros((b, hkv, h // hkv, n_kv, k.shape[-1]), dtype=ct, device=q.device)
     dv = torch.zeros((b, hkv, h // hkv, n_kv, v.shape[-1]), dtype=ct, device=q.device)
     step = _block_rows(b, h, n_kv)
