@@ -40,6 +40,9 @@ from tilecompile import graph as G
 from tilecompile import reporting as R
 from tilecompile.pipeline import PassContext, PassResult, expect
 
+# meta key the tensor_parallel pass sets on the gather of a vocab-parallel lm_head's logits (its ShardSpec)
+_VOCAB_GATHER = "tilecompile_tp_vocab"
+
 NAME = "fused_linear_ce"
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -145,7 +148,13 @@ class _Region:
 
     @property
     def vocab(self) -> int:
-        return int(G.shape(self.linear.weight)[0])
+        # the logits' width: the weight's rows, or all ranks' rows for a vocab-parallel lm_head's gathered logits
+        return int(G.hint(G.shape(self.linear.node)[-1]))
+
+    @property
+    def vocab_parallel(self) -> Any:
+        """The ShardSpec of a vocab-parallel lm_head (``linear.node`` is then the gather of its logits)."""
+        return self.linear.node.meta.get(_VOCAB_GATHER)
 
 
 def _dim_is_last(dim: Any, ndim: int) -> bool:
@@ -943,7 +952,12 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
             # the chunk setting of this compile (options= included), not the op's default read from the env
             args = [hb, weight, labels, float(temperature_of(chain)), int(ignore), with_entropy, settings.check_inputs,
                     int(settings.ce_vocab_chunk)]  # fmt: skip
-            fused = b.call(op, *args)
+            vp = r.vocab_parallel
+            if vp is not None:  # the local weight's statistics, reduced across the group; no logits gathered
+                args = [*args[:6], int(settings.ce_vocab_chunk), vp.group, vp.world, vp.rank]
+                fused = b.call(_vocab_parallel_op(), *args)
+            else:
+                fused = b.call(op, *args)
             with fake_mode:
                 expected = (
                     torch.empty(ls, dtype=torch.float32, device=device),
@@ -989,10 +1003,14 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
         with graph.inserting_before(anchor):
             new.append(graph.call_function(torch._C._set_grad_enabled, (False,)))
 
+    vp = r.vocab_parallel
+    local = lin.node.args[0] if vp is not None else None  # the gather (the region's first node) reads it
     for node in reversed(r.order):
         if node.users:
             raise RuntimeError(f"fused_linear_ce: {node.name} still has users {list(node.users)} after the rewrite")
         graph.erase_node(node)
+    if local is not None and not local.users:
+        graph.erase_node(local)
 
     n_rows = max(rows) if rows else 0
     temps = sorted({f"{temperature_of(r.chain(bn)):g}" for bn in calls})
@@ -1003,6 +1021,7 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
         f"{', '.join(dict.fromkeys(_output_name(r.values[n]) for n in escapes))} "
         f"(via {', '.join(spelled)}); temperature {'/'.join(temps)}"
         f"{' (tensor, folded into h)' if tensor_t else ''}{autocast}; {n_calls} fused call(s)"
+        f"{f'; vocab-parallel over {vp.world} ranks (all_reduce max + sum of the row statistics)' if vp else ''}"
     )
     return R.Rewrite(
         NAME,
@@ -1054,6 +1073,12 @@ def _row_value(b: _Builder, v: Row, out: dict[Any, Any]) -> fx.Node:
 # ----------------------------------------------------------------------------------------------------- pass
 
 
+def _vocab_parallel_op() -> Any:
+    from tilecompile.ops.fused_linear_ce import vocab_parallel_logprob
+
+    return vocab_parallel_logprob
+
+
 def _fused_op() -> tuple[Any, str | None]:
     try:
         import tilecompile.ops.fused_linear_ce  # noqa: F401 - registers the op
@@ -1071,13 +1096,25 @@ def find(gm: fx.GraphModule) -> list[_Region]:
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = []
     for node in gm.graph.nodes:
-        lin = G.as_linear(node)
+        lin = G.as_linear(node) or _gathered_linear(node)
         if lin is None or len(G.shape(lin.weight) or ()) != 2 or G.hint(G.shape(lin.weight)[0]) is None:
             continue
         r = _Analysis(gm, lin, position).run()
         if r.softmax_family:
             regions.append(r)
     return regions
+
+
+def _gathered_linear(node: fx.Node) -> G.Linear | None:
+    """The logits of a vocab-parallel lm_head, as ``passes/tensor_parallel.py`` leaves them: all-gathered along the
+    vocabulary right after the local linear. Seen as one linear of the whole vocabulary; the rewrite calls the
+    vocab-parallel op on the local weight and drops the gather."""
+    if _VOCAB_GATHER not in node.meta or not isinstance(node.args[0], fx.Node):
+        return None
+    lin = G.as_linear(node.args[0])
+    if lin is None or len(lin.node.users) != 1:
+        return None
+    return G.Linear(node, lin.input, lin.weight, lin.bias)
 
 
 def check(r: _Region) -> tuple[list[fx.Node], str | None]:

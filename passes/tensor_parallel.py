@@ -29,6 +29,7 @@ even outside strict mode.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import operator
@@ -91,6 +92,7 @@ _KEEP_SHAPE_REDUCTIONS = frozenset({"softmax", "log_softmax", "cumsum", "cumprod
 _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "var", "std", "logsumexp", "norm", "prod", "all", "any"})
 _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 _EMBEDDING = (torch.nn.functional.embedding,)
+_VOCAB_LINEAR = torch.ops.tilecompile.vocab_parallel_linear.default
 
 
 # ----------------------------------------------------------------------------------------------- lowering
@@ -107,7 +109,6 @@ class _Lowering:
         self.records = records
         self.gathered: dict[fx.Node, fx.Node] = {}
         self.copied: dict[fx.Node, fx.Node] = {}
-        self.seq_resized: list[fx.Node] = []
         self.sp = any(s.sequence_parallel for s in specs.values())
         self.body_outputs: list[Any] = []
 
@@ -175,6 +176,9 @@ class _Lowering:
             if node.op == "output":
                 self.output(node)
                 continue
+            if node.op == "call_function" and node.target is _VOCAB_LINEAR:
+                self.vocab_linear(node, self.specs.get(self.param(node.args[1])))
+                continue
             lin = G.as_linear(node)
             if lin is not None and self.specs.get(self.param(lin.weight)) is not None:
                 self.records.linear(node, self.specs[self.param(lin.weight)])
@@ -205,27 +209,52 @@ class _Lowering:
     root: fx.GraphModule | None = None
 
     # --- linears
+    def colwise_input(self, node: fx.Node, x: fx.Node, spec: P.ShardSpec) -> fx.Node:
+        """``x`` as a column-parallel linear reads it: replicated (copy_to_tp), or all-gathered from Shard(seq)."""
+        s = self.place.get(x)
+        if isinstance(s, Shard) and s.seq:
+            new = self.copied.get(("seq", x))
+            if new is None:
+                new = self.insert(C.gather_seq, x, s.dim, *self.g(), before=node, meta_from=node)
+                self.copied[("seq", x)] = new
+                self.records.add(node, "gather_seq", spec)
+        else:
+            if isinstance(s, Shard):
+                x = self.to_replicate(x, node, "a sharded value read by a column-parallel linear")
+            new = self.copied.get(("rep", x))
+            if new is None:
+                new = self.insert(C.copy_to_tp, x, *self.g(), before=node, meta_from=node)
+                self.copied[("rep", x)] = new
+                self.records.add(node, "copy_to_tp", spec)
+        self.place[new] = None
+        return new
+
+    def vocab_linear(self, node: fx.Node, spec: P.ShardSpec | None) -> None:
+        """``vocab_parallel_linear(h, W_r, b_r)`` (a vocab_colwise lm_head's call) -> copy_to_tp, linear, gather."""
+        h, weight, bias = node.args[:3]
+        if spec is None:
+            raise TensorParallelError(f"{node.name}: vocab_parallel_linear on a weight parallelize did not shard")
+        self.records.linear(node, spec)
+        x = self.colwise_input(node, h, spec)
+        with self.graph.inserting_before(node):
+            lin = self.graph.call_function(torch.nn.functional.linear, (x, weight, bias))
+        lin.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        value = G.example_value(node)
+        with _fake_mode(value) or contextlib.nullcontext():
+            local = G.shape(weight)[0]
+            lin.meta["example_value"] = torch.empty((*value.shape[:-1], local), dtype=value.dtype, device=value.device)
+        gathered = self.insert(C.gather_from_tp, lin, len(value.shape) - 1, *self.g(), after=lin, meta_from=node)
+        gathered.meta[VOCAB_GATHER] = spec
+        self.place[lin] = Shard(len(value.shape) - 1)
+        self.place[gathered] = None
+        self.records.add(node, "gather_logits", spec)
+        node.replace_all_uses_with(gathered)
+        self.graph.erase_node(node)
+
     def linear(self, lin: G.Linear, spec: P.ShardSpec) -> None:
         node = lin.node
         if spec.dim == 0:  # colwise, packed_colwise, vocab_colwise: replicated input, sharded output features
-            x = lin.input
-            s = self.place.get(x)
-            if isinstance(s, Shard) and s.seq:
-                key = ("seq", x)
-                new = self.copied.get(key)
-                if new is None:
-                    new = self.insert(C.gather_seq, x, s.dim, *self.g(), before=node, meta_from=node)
-                    self.copied[key] = new
-                    self.records.add(node, "gather_seq", spec)
-            else:
-                if isinstance(s, Shard):
-                    x = self.to_replicate(x, node, "a sharded value read by a column-parallel linear")
-                new = self.copied.get(("rep", x))
-                if new is None:
-                    new = self.insert(C.copy_to_tp, x, *self.g(), before=node, meta_from=node)
-                    self.copied[("rep", x)] = new
-                    self.records.add(node, "copy_to_tp", spec)
-            self.place[new] = None
+            new = self.colwise_input(node, lin.input, spec)
             self.replace_arg(node, lin.input, new)
             self.place[node] = Shard(len(G.shape(node)) - 1, parts=max(1, len(spec.parts)))
             if spec.style == "vocab_colwise":
@@ -377,34 +406,47 @@ class _Lowering:
             if out != self.place.get(node.args[0]):
                 raise TensorParallelError(f"in-place {node.name} would change the placement of {node.args[0].name}")
         self.place[node] = out
-        if isinstance(out, Shard) and out.seq:
-            self.seq_resized.append(node)
 
     def finish(self) -> None:
-        """Sequence-sharded values are shorter than the ones Dynamo recorded: refresh their example values (and
-        those of the collectives inserted around them), in graph order."""
-        if not self.seq_resized:
-            return
-        resized = set(self.seq_resized)
+        """Gathers, scatters and sequence shards change shapes that Dynamo recorded for local values: refresh the
+        example values downstream of them, in graph order, so that the next passes read true shapes."""
+        dirty: set[fx.Node] = set()
         for node in self.graph.nodes:
             if node.op == "call_function" and node.target in C.ALL:
                 node.meta["example_value"] = self._fake(node.target, node.args[0], node.args[1:])
+                if node.target not in C.IDENTITIES:
+                    dirty.add(node)
                 continue
-            if node not in resized or node.op not in ("call_function", "call_method"):
+            if node.op not in ("call_function", "call_method") or not any(a in dirty for a in node.all_input_nodes):
                 continue
+            if isinstance(node.target, torch._ops.HigherOrderOperator):
+                raise TensorParallelError(f"{node.name}: values of changed shape enter {node.target}")
+            old = G.example_value(node)
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), G.example_value)
-            mode = getattr(G.example_value(node), "fake_mode", None)
+            mode = _fake_mode(old) or _fake_mode(args) or contextlib.nullcontext()
             try:
                 with mode:
-                    node.meta["example_value"] = (
+                    new = (
                         getattr(args[0], node.target)(*args[1:], **kwargs)
                         if node.op == "call_method"
                         else node.target(*args, **kwargs)
                     )
             except Exception as exc:  # noqa: BLE001 - say which node, not a fake-tensor trace
-                raise TensorParallelError(
-                    f"sequence parallel: {node.name} does not run on the local sequence ({exc})"
-                ) from exc
+                raise TensorParallelError(f"{node.name} does not run on the redistributed values ({exc})") from exc
+            node.meta["example_value"] = new
+            if _shapes(new) != _shapes(old):
+                dirty.add(node)
+
+
+def _shapes(tree: Any) -> list:
+    return [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _fake_mode(tree: Any) -> Any:
+    for t in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
+            return t.fake_mode
+    return None
 
 
 def _seq_dim(ndim: int) -> int:

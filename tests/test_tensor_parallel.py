@@ -25,7 +25,7 @@ from tilecompile import parallel as TP
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, VOCAB = 8, 4, 8, 64, 96, 128
 RTOL, ATOL = 1e-4, 2e-5
-VOCAB_PARALLEL_FUSED = False  # the fused lm_head does not take a vocab-parallel weight yet: logits are gathered
+VOCAB_PARALLEL_FUSED = True
 
 PLAN = {
     "model.layers.*.self_attn.q_proj": "colwise",
@@ -75,6 +75,12 @@ def ppo_loss(model, ids, mask, old_logp, adv):
     return ((pg - 0.01 * entropy) * response).sum() / response.sum()
 
 
+def sft_loss(model, ids, mask, old_logp, adv):
+    """The model's own loss (cross-entropy with ignore_index=-100 on padded labels)."""
+    labels = ids.masked_fill(mask == 0, -100)
+    return model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+
+
 # ------------------------------------------------------------------------------------- graph capture
 
 _COLLECTIVES = {
@@ -121,12 +127,20 @@ class GraphCapture:
 
             def keep(into):
                 def compiler(g, _inputs):
+                    if os.environ.get("TP_DUMP") and dist.get_rank() == 0:
+                        with open(os.environ["TP_DUMP"] + f".{len(into)}{'fw' if into is self.fw else 'bw'}", "w") as f:
+                            f.write(g.print_readable(print_output=False))
                     into.append(g)
                     return make_boxed_func(g.forward)
 
                 return compiler
 
-            return aot_module_simplified(gm, example_inputs, fw_compiler=keep(self.fw), bw_compiler=keep(self.bw))
+            from functorch.compile import min_cut_rematerialization_partition
+
+            return aot_module_simplified(  # as the aot_eager backend does
+                gm, example_inputs, fw_compiler=keep(self.fw), bw_compiler=keep(self.bw),
+                partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True,
+            )  # fmt: skip
 
         backend._inner_compile = inner
         return self
@@ -171,10 +185,10 @@ def spawn(world: int, scenario: str, *args) -> None:
 # ------------------------------------------------------------------------------------------ checks
 
 
-def reference(arch: str, tied: bool, data, layers: int = 2):
+def reference(arch: str, tied: bool, data, layers: int = 2, loss_fn=ppo_loss):
     model = tiny(arch, layers, tied)
     full = copy.deepcopy(model)
-    loss = ppo_loss(full, *data)
+    loss = loss_fn(full, *data)
     loss.backward()
     return model, full, loss.detach()
 
@@ -193,17 +207,17 @@ def check_grads(model, full, rank: int, world: int) -> None:
         assert_close(p.grad, expected, rtol=RTOL, atol=ATOL, name=f"rank {rank} grad of {name}")
 
 
-def run_tp(rank, world, arch, options, tied=False, sp=False, plan=PLAN):
+def run_tp(rank, world, arch, options, tied=False, sp=False, plan=PLAN, loss_fn=ppo_loss):
     """One configuration: returns the (forward, backward) collective counts after checking values."""
     from helpers import assert_close, compile_options
 
     data = batch()
-    model, full, expected = reference(arch, tied, data)
+    model, full, expected = reference(arch, tied, data, loss_fn=loss_fn)
     tilecompile.parallelize(model, plan, sequence_parallel=sp)
     torch._dynamo.reset()
     tilecompile.reset()
     with GraphCapture() as cap:
-        loss = torch.compile(ppo_loss, backend="tilecompile", options=compile_options(**options))(model, *data)
+        loss = torch.compile(loss_fn, backend="tilecompile", options=compile_options(**options))(model, *data)
         loss.backward()
     assert_close(loss, expected, rtol=RTOL, atol=ATOL, name=f"rank {rank} loss")
     check_grads(model, full, rank, world)
@@ -224,8 +238,8 @@ def expected_counts(layers: int, fused: bool, tied: bool = False) -> tuple[Count
     return fw, bw
 
 
-def check_plain(rank, world, arch, options):
-    (fw, bw), rep = run_tp(rank, world, arch, options)
+def check_plain(rank, world, arch, options, loss_fn=ppo_loss):
+    (fw, bw), rep = run_tp(rank, world, arch, options, loss_fn=loss_fn)
     fused = options.get("fused_linear_ce", 1) == 1 and VOCAB_PARALLEL_FUSED
     want_fw, want_bw = expected_counts(2, fused)
     assert (fw, bw) == (want_fw, want_bw), f"{arch} {options}: fw {dict(fw)} bw {dict(bw)}\n{rep}"
@@ -246,6 +260,7 @@ def scenario_two(rank, world):
     check_plain(rank, world, "llama", {"tiled_mlp": 0})
     check_plain(rank, world, "qwen2", {})
     check_plain(rank, world, "qwen2", {"tiled_mlp": 0, "fused_linear_ce": 0})
+    check_plain(rank, world, "llama", {}, loss_fn=sft_loss)  # cross-entropy, ignore_index=-100 rows
 
 
 def scenario_four(rank, world):

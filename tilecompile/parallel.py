@@ -30,11 +30,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import re
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+
+from tilecompile.ops import collectives
 
 STYLES = ("colwise", "rowwise", "packed_colwise", "vocab_colwise")
 _ATTR = "_tilecompile_shard"
@@ -143,6 +146,10 @@ def _shard(t: torch.Tensor, dim: int, rank: int, world: int, parts: tuple[int, .
     return torch.cat(pieces, dim=dim).contiguous()
 
 
+def _vocab_parallel_forward(mod: torch.nn.Linear, group: str, world: int, rank: int, x: torch.Tensor) -> torch.Tensor:
+    return collectives.vocab_parallel_linear(x, mod.weight, mod.bias, group, world, rank)
+
+
 def parallelize(
     model: torch.nn.Module,
     plan: Mapping[str, str],
@@ -219,9 +226,13 @@ def parallelize(
             setattr(p, _ATTR, spec)
             done.add(id(p))
         params[fqn] = spec
-    for name in chosen:
+    for name, (style, _) in chosen.items():
         mod = modules[name]
-        if isinstance(mod, torch.nn.Linear):
+        if style == "vocab_colwise" and isinstance(mod, torch.nn.Linear):
+            # the module returns the whole [..., V] logits (code after it may view them as (-1, vocab_size)); the
+            # pass turns the call into a local linear, and the fused lm_head pass never gathers them
+            mod.forward = functools.partial(_vocab_parallel_forward, mod, group_name, world, rank)
+        elif isinstance(mod, torch.nn.Linear):
             mod.out_features, mod.in_features = mod.weight.shape
     # a tied input embedding (same Parameter as a vocab_colwise lm_head) now holds this rank's rows
     for mod in modules.values():

@@ -169,3 +169,53 @@ __all__ = [
     "reduce_scatter_seq",
     "scatter_to_tp",
 ]
+
+
+# ------------------------------------------------------------------------ vocab-parallel lm_head (a marker)
+
+
+@torch.library.custom_op("tilecompile::vocab_parallel_linear", mutates_args=())
+def vocab_parallel_linear(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: str, world: int, rank: int
+) -> torch.Tensor:
+    """``linear(h, weight, bias)`` of this rank's vocabulary rows, all-gathered: the whole [..., V] logits.
+
+    What a ``vocab_colwise`` lm_head calls (``tilecompile.parallelize`` swaps its forward), so that Dynamo traces
+    the code after the lm_head with the logits' true width (Hugging Face's loss views them as ``(-1, vocab_size)``).
+    The tensor_parallel pass replaces it with ``copy_to_tp -> linear -> gather_from_tp``; the fused lm_head pass then
+    drops the gather. This eager implementation (process-group collectives) runs only when nothing replaced it.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    z = torch.nn.functional.linear(h, weight, bias)
+    parts = [torch.empty_like(z) for _ in range(world)]
+    dist.all_gather(parts, z.contiguous(), group=_resolve_process_group(group))
+    return torch.cat(parts, dim=-1)
+
+
+@vocab_parallel_linear.register_fake
+def _(h, weight, bias, group, world, rank):
+    return h.new_empty((*h.shape[:-1], weight.shape[0] * world))
+
+
+def _vpl_setup(ctx, inputs, output):
+    h, weight, bias, group, world, rank = inputs
+    ctx.save_for_backward(h, weight)
+    ctx.group, ctx.world, ctx.rank, ctx.has_bias = group, world, rank, bias is not None
+
+
+def _vpl_backward(ctx, g):
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    h, weight = ctx.saved_tensors
+    g = _own_slice(g, g.dim() - 1, ctx.rank, ctx.world)
+    dh = g @ weight
+    dist.all_reduce(dh, group=_resolve_process_group(ctx.group))
+    dw = g.reshape(-1, g.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
+    db = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
+    return dh, dw, db, None, None, None
+
+
+vocab_parallel_linear.register_autograd(_vpl_backward, setup_context=_vpl_setup)

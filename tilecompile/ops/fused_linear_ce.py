@@ -254,6 +254,107 @@ def _fused_linear_logprob(
 _lib.impl("fused_linear_logprob", _fused_linear_logprob, "CompositeImplicitAutograd")
 
 
+# ------------------------------------------------------------------------------------- vocabulary parallel
+
+
+@torch.library.custom_op("tilecompile::_fused_linear_logprob_local_stats", mutates_args=())
+def _fused_linear_logprob_local_stats(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int,
+    vocab_chunk: int = -1,
+) -> torch.Tensor:  # fmt: skip
+    """Softmax statistics of this rank's vocabulary shard, fp32, labels' shape + [4]: (m, log Σe, Σe·(z − m)/Σe,
+    z_y − m), with m the shard's row max and Σe = Σ_j e^(z_j − m) over the shard; z_y − m is 0 where the row's
+    label is not in the shard. ``labels`` are local (``weight``'s rows); a label out of [0, V_local) that is not
+    ignore_index is a row whose target lives on another rank."""
+    _check_static(h, weight, labels, temperature)
+    h2, labels1 = _flat(h, labels)
+    logp, ent, stats = K.fused_linear_logprob_fwd(
+        h2, weight, labels1, 1.0 / float(temperature), ignore_index, True, chunk=_vocab_chunk(vocab_chunk)
+    )
+    m, log_s = stats[:, 0], stats[:, 1]
+    local = (labels1 >= 0) & (labels1 < weight.shape[0])
+    zym = torch.where(local, logp + log_s, 0.0)  # logp = (z_y − m) − log Σe where the label is local
+    return torch.stack((m, log_s, log_s - ent, zym), dim=1).reshape(*labels.shape, 4)
+
+
+@_fused_linear_logprob_local_stats.register_fake
+def _(h, weight, labels, temperature, ignore_index, vocab_chunk=-1):
+    _check_static(h, weight, labels, temperature)
+    return labels.new_empty((*labels.shape, 4), dtype=torch.float32)
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    """log-prob and entropy of a vocabulary-parallel lm_head (DESIGN.md, "Tensor parallel"): local statistics, an
+    all_reduce MAX of the row max (no grad), one all_reduce SUM of the packed [Σe, Σe·(z − M), z_y − M] rescaled to
+    the global max M; the backward is local (the partial dh is summed by the all_reduce of h's copy_to_tp)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, temperature, ignore_index, with_entropy, vocab_chunk, group, world, rank):
+        from tilecompile.ops import collectives as C
+
+        if ignore_index >= 0:
+            raise ValueError(f"vocab-parallel log-prob needs a negative ignore_index, got {ignore_index}")
+        v_local = weight.shape[0]
+        lo = rank * v_local
+        active = labels != ignore_index
+        inside = active & (labels >= lo) & (labels < lo + v_local)
+        # a row whose label is on another rank: active, but its label matches no local column
+        local = torch.where(inside, labels - lo, torch.where(active, v_local, ignore_index))
+        st = torch.ops.tilecompile._fused_linear_logprob_local_stats(
+            h, weight, local, float(temperature), int(ignore_index), int(vocab_chunk)
+        )
+        m, log_s, aos, zym = st.unbind(-1)
+        big = C.all_reduce(m, "max", group)
+        shift = m - big
+        s = torch.exp(shift + log_s)
+        packed = torch.stack((s, s * (aos + shift), torch.where(inside, zym + shift, 0.0)), dim=-1)
+        total = C.all_reduce(packed, "sum", group)
+        s_all, a_all, zy_all = total.unbind(-1)
+        log_s_all = torch.log(s_all)
+        logp = torch.where(active, zy_all - log_s_all, 0.0)
+        ent = log_s_all - a_all / s_all
+        stats = torch.stack((big, log_s_all), dim=-1)
+        ctx.save_for_backward(h, weight, local, stats, ent)
+        ctx.args = (float(temperature), int(ignore_index), bool(with_entropy), int(vocab_chunk))
+        ctx.set_materialize_grads(False)
+        return logp, (ent if with_entropy else ent.new_empty(0))
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        h, weight, local, stats, ent = ctx.saved_tensors
+        temperature, ignore_index, with_entropy, vocab_chunk = ctx.args
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not with_entropy:
+            grad_ent = None
+        if not (need_h or need_w) or (grad_logp is None and grad_ent is None):
+            return (None,) * 10
+        dh, dw = torch.ops.tilecompile.fused_linear_logprob_backward(
+            h, weight, local, stats, ent, grad_logp, grad_ent, temperature, ignore_index, need_h, need_w, vocab_chunk
+        )
+        return (dh if need_h else None), (dw if need_w else None), *(None,) * 8
+
+
+def vocab_parallel_logprob(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    vocab_chunk: int,
+    group: str,
+    world: int,
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_linear_logprob`` with ``weight`` this rank's rows [rank·V/world, (rank+1)·V/world) of the lm_head
+    and ``labels`` global; (logp, entropy or an empty [0]) of the whole vocabulary, fp32, on every rank. The logits
+    are never gathered. ``h`` must be replicated and its gradient all-reduced by the caller (the tensor_parallel
+    pass's copy_to_tp): the gradient returned for ``h`` is this shard's part."""
+    return _VocabParallelLogprob.apply(
+        h, weight, labels, temperature, ignore_index, with_entropy, vocab_chunk, group, world, rank
+    )
+
+
 def linear_logprob_entropy(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -296,4 +397,4 @@ def linear_cross_entropy(
     return total / (labels != ignore_index).sum()
 
 
-__all__ = ["fused_linear_logprob_backward", "linear_cross_entropy", "linear_logprob_entropy"]
+__all__ = ["fused_linear_logprob_backward", "linear_cross_entropy", "linear_logprob_entropy", "vocab_parallel_logprob"]
