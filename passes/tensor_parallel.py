@@ -163,6 +163,17 @@ class _Lowering:
         self.records.gather(consumer, x, s, why)
         return node
 
+    def sum_grad(self, x: fx.Node, consumer: fx.Node) -> fx.Node:
+        """``x`` for a sequence-sharded consumer: identity forward, gradient all-reduced (copy_to_tp)."""
+        key = ("grad", x)
+        if key not in self.copied:
+            node = self.insert(C.copy_to_tp, x, *self.g(), before=consumer)
+            self.place[node] = None
+            self.copied[key] = node
+            reg = self.records._region(consumer)
+            reg["bwd"].append(f"all_reduce({x.name}: sequence-parallel grad)")
+        return self.copied[key]
+
     def replace_arg(self, node: fx.Node, old: fx.Node, new: fx.Node) -> None:
         if old is not new:
             node.replace_input_with(old, new)
@@ -191,6 +202,8 @@ class _Lowering:
                 self.higher_order(node)
                 continue
             self.generic(node)
+            if self.sp and node.op == "call_function" and node.target in _EMBEDDING and self.place[node] is None:
+                self.scatter_embedding(node)
         return self.body_outputs
 
     def param(self, node: Any) -> fx.Node | None:
@@ -346,6 +359,19 @@ class _Lowering:
             self.place[n] = None
         node.replace_all_uses_with(red)
         self.graph.erase_node(node)
+
+    def scatter_embedding(self, node: fx.Node) -> None:
+        """Sequence parallel: a replicated embedding's output enters the residual stream as this rank's slice of
+        the sequence (its gradient is all-gathered back), so every block starts from Shard(seq)."""
+        sd = _seq_dim(len(G.shape(node)))
+        self.check_seq(node, sd)
+        sliced = self.insert(C.scatter_to_tp, node, sd, *self.g(), after=node)
+        node.replace_all_uses_with(sliced, delete_user_cb=lambda u: u is not sliced)
+        self.place[sliced] = Shard(sd, seq=True)
+        path = G.module_path(node)
+        self.records.regions.setdefault(path, {"linears": [], "fwd": [], "bwd": [], "shapes": {}})["bwd"].append(
+            "all_gather(sequence scatter of the embedding)"
+        )
 
     # --- higher-order ops: lower their bodies with the callers' placements
     def higher_order(self, node: fx.Node) -> None:
@@ -549,8 +575,12 @@ def _elementwise(node: fx.Node, name: str, ins: dict[fx.Node, Shard], low: _Lowe
             continue
         shape = G.shape(a)
         d = out.dim - (out_nd - len(shape))
-        if d < 0 or G.hint(shape[d]) == 1:
-            continue  # broadcast along the sharded dim
+        if d < 0 or G.hint(shape[d]) == 1:  # broadcast along the sharded dim
+            value = G.example_value(a)
+            if out.seq and value.requires_grad:
+                # SP: this rank's tokens give a norm weight (or any broadcast value) only part of its gradient
+                node.replace_input_with(a, low.sum_grad(a, node))
+            continue
         if out.seq:  # SP: a replicated operand (the residual stream before the first layer) is sliced
             sliced = low.insert(C.scatter_to_tp, a, d, *low.g(), before=node)
             low.place[sliced] = Shard(d, seq=True)

@@ -75,6 +75,15 @@ def ppo_loss(model, ids, mask, old_logp, adv):
     return ((pg - 0.01 * entropy) * response).sum() / response.sum()
 
 
+class PPOLoss(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask, old_logp, adv):
+        return ppo_loss(self.model, ids, mask, old_logp, adv)
+
+
 def sft_loss(model, ids, mask, old_logp, adv):
     """The model's own loss (cross-entropy with ignore_index=-100 on padded labels)."""
     labels = ids.masked_fill(mask == 0, -100)
@@ -207,12 +216,12 @@ def check_grads(model, full, rank: int, world: int) -> None:
         assert_close(p.grad, expected, rtol=RTOL, atol=ATOL, name=f"rank {rank} grad of {name}")
 
 
-def run_tp(rank, world, arch, options, tied=False, sp=False, plan=PLAN, loss_fn=ppo_loss):
+def run_tp(rank, world, arch, options, tied=False, sp=False, plan=PLAN, loss_fn=ppo_loss, layers=2):
     """One configuration: returns the (forward, backward) collective counts after checking values."""
     from helpers import assert_close, compile_options
 
     data = batch()
-    model, full, expected = reference(arch, tied, data, loss_fn=loss_fn)
+    model, full, expected = reference(arch, tied, data, layers, loss_fn=loss_fn)
     tilecompile.parallelize(model, plan, sequence_parallel=sp)
     torch._dynamo.reset()
     tilecompile.reset()
@@ -238,36 +247,91 @@ def expected_counts(layers: int, fused: bool, tied: bool = False) -> tuple[Count
     return fw, bw
 
 
-def check_plain(rank, world, arch, options, loss_fn=ppo_loss):
-    (fw, bw), rep = run_tp(rank, world, arch, options, loss_fn=loss_fn)
+def check_plain(rank, world, arch, options, loss_fn=ppo_loss, layers=2):
+    (fw, bw), rep = run_tp(rank, world, arch, options, loss_fn=loss_fn, layers=layers)
     fused = options.get("fused_linear_ce", 1) == 1 and VOCAB_PARALLEL_FUSED
-    want_fw, want_bw = expected_counts(2, fused)
+    want_fw, want_bw = expected_counts(layers, fused)
     assert (fw, bw) == (want_fw, want_bw), f"{arch} {options}: fw {dict(fw)} bw {dict(bw)}\n{rep}"
     regions = {r.module_path: r.detail for r in rep.rewrites if r.pass_name == "tensor_parallel"}
-    assert sorted(regions) == ["lm_head", "model.layers.0.mlp", "model.layers.0.self_attn", "model.layers.1.mlp",
-                               "model.layers.1.self_attn"], regions  # fmt: skip
+    blocks = [f"model.layers.{i}.{m}" for i in range(layers) for m in ("mlp", "self_attn")]
+    assert sorted(regions) == ["lm_head", *blocks], regions
     assert "gate_proj:colwise, up_proj:colwise, down_proj:rowwise" in regions["model.layers.0.mlp"], regions
     assert "forward: all_reduce(down_proj); backward: all_reduce(gate_proj)" in regions["model.layers.0.mlp"]
-    assert "q_proj:colwise, k_proj:colwise, v_proj:colwise, o_proj:rowwise" in regions["model.layers.1.self_attn"]
-    assert rep.counts["tiled_mlp"] == (0 if options.get("tiled_mlp", 1) == 0 else 2), rep
+    assert "q_proj:colwise, k_proj:colwise, v_proj:colwise, o_proj:rowwise" in regions["model.layers.0.self_attn"]
+    assert rep.counts["tiled_mlp"] == (0 if options.get("tiled_mlp", 1) == 0 else layers), rep
+    assert rep.counts.get("attention", 0) == (0 if options.get("attention", 1) == 0 else layers), rep
+    assert rep.counts["fused_linear_ce"] == (1 if fused else 0), rep
+
+
+def expected_sp_counts(layers: int, fused: bool) -> tuple[Counter, Counter]:
+    """Sequence parallel: each block's colwise input is all-gathered along the sequence (reduce-scattered
+    backward) and its rowwise output reduce-scattered (all-gathered backward); the embedding's output is sliced
+    (all-gathered backward); the lm_head's input is all-gathered. All-reduces: the lm_head statistics forward,
+    and backward the gradient of each RMSNorm weight (2 per layer and the final norm), which each rank's tokens
+    give only in part."""
+    fw = Counter({"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers})
+    bw = Counter({"reduce_scatter": 2 * layers + 1, "all_gather": 2 * layers + 1, "all_reduce:sum": 2 * layers + 1})
+    fw += Counter({"all_reduce:max": 1, "all_reduce:sum": 1}) if fused else Counter({"all_gather": 1})
+    return fw, bw
+
+
+def check_sp(rank, world, arch, options, loss_fn=ppo_loss, layers=2):
+    (fw, bw), rep = run_tp(rank, world, arch, options, sp=True, loss_fn=loss_fn, layers=layers)
+    fused = options.get("fused_linear_ce", 1) == 1
+    assert (fw, bw) == expected_sp_counts(layers, fused), f"SP {arch} {options}: fw {dict(fw)} bw {dict(bw)}\n{rep}"
+    regions = {r.module_path: r.detail for r in rep.rewrites if r.pass_name == "tensor_parallel"}
+    assert "forward: all_gather(gate_proj), reduce_scatter(down_proj)" in regions["model.layers.0.mlp"], regions
     assert rep.counts["fused_linear_ce"] == (1 if fused else 0), rep
 
 
 def scenario_two(rank, world):
     """2 ranks: Llama with every pass, with the fused lm_head off, with the tiled MLP off; Qwen2 (q/k/v biases)."""
     check_plain(rank, world, "llama", {})
-    check_plain(rank, world, "llama", {"fused_linear_ce": 0})
-    check_plain(rank, world, "llama", {"tiled_mlp": 0})
-    check_plain(rank, world, "qwen2", {})
-    check_plain(rank, world, "qwen2", {"tiled_mlp": 0, "fused_linear_ce": 0})
-    check_plain(rank, world, "llama", {}, loss_fn=sft_loss)  # cross-entropy, ignore_index=-100 rows
+    for off in ("fused_linear_ce", "tiled_mlp", "attention"):  # each pass off in turn (one layer: faster)
+        check_plain(rank, world, "llama", {off: 0}, layers=1)
+    check_plain(rank, world, "qwen2", {}, layers=1)
+    check_plain(rank, world, "llama", {}, loss_fn=sft_loss, layers=1)  # cross-entropy, ignore_index=-100 rows
+    check_sp(rank, world, "llama", {})
+    check_sp(rank, world, "qwen2", {"fused_linear_ce": 0, "tiled_mlp": 0}, layers=1)
+
+
+def check_tp_dp(rank, world):
+    """TP=2 inside groups {0,1} and {2,3}, DDP across them ({0,2}, {1,3}), each group on its half of the batch:
+    the loss of each half and the averaged gradients equal single-process training on the whole batch."""
+    from helpers import assert_close, compile_options
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, dp = tp_groups[rank // 2], dp_groups[rank % 2]
+    tp_rank, half = rank % 2, rank // 2
+    ids, mask, old_logp, adv = batch(n=4)
+    halves = [tuple(t[2 * h : 2 * h + 2] for t in (ids, mask, old_logp, adv)) for h in (0, 1)]
+    model = tiny("llama", layers=1)
+    full = copy.deepcopy(model)
+    losses = [ppo_loss(full, *hb) for hb in halves]
+    ((losses[0] + losses[1]) / 2).backward()
+    tilecompile.parallelize(model, PLAN, group=tp)
+    # DDP wraps a module that returns the loss, so the loss is in the compiled graph with the lm_head (compiling a
+    # function around a DDP module breaks the graph at DDP's forward); DDPOptimizer's graph split is turned off
+    ddp = DDP(PPOLoss(model), process_group=dp)
+    torch._dynamo.reset()
+    tilecompile.reset()
+    with GraphCapture() as cap, torch._dynamo.config.patch(optimize_ddp=False):
+        loss = torch.compile(ddp, backend="tilecompile", options=compile_options())(*halves[half])
+        loss.backward()
+    assert_close(loss, losses[half], rtol=RTOL, atol=ATOL, name=f"rank {rank} loss of half {half}")
+    check_grads(model, full, tp_rank, 2)
+    assert cap.counts() == expected_counts(1, fused=True), (cap.counts(), str(tilecompile.report()))
+    assert tilecompile.report().counts["fused_linear_ce"] == 1
 
 
 def scenario_four(rank, world):
-    """4 ranks: plan errors, then Llama and Qwen2 with every pass."""
+    """4 ranks: plan errors; Llama and Qwen2 with every pass; sequence parallel; TP=2 x DP=2."""
+    check_tp_dp(rank, world)
     scenario_errors(rank, world)
-    check_plain(rank, world, "llama", {})
-    check_plain(rank, world, "qwen2", {"fused_linear_ce": 0})
+    check_plain(rank, world, "llama", {}, layers=1)
+    check_sp(rank, world, "qwen2", {}, layers=1)
 
 
 def scenario_errors(rank, world):
