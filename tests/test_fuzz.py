@@ -11,8 +11,10 @@ divide V), fp32 / bf16 / fp16, autocast, temperatures (Python float or tensor), 
 
 Tolerance: each tensor is compared with a float64 eager reference; the compiled error may be at most twice eager's
 own error at that dtype plus ``EPS[dtype]`` times the tensor's largest magnitude (fp32 too: eager fp32 is the
-usual bar, this is the same bar measured against fp64). Outputs: non-finite entries exactly where eager has them.
-Grads: see ``check_grad``. bf16 / fp16 run on CPU with this fp64-relative bar (CPU matmuls accumulate in fp32).
+usual bar, this is the same bar measured against fp64). Outputs: non-finite entries exactly where the fp64
+reference has them; eager may have more (a CPU bf16 GEMM can leak a NaN row into its neighbour, issue #10), and
+those entries are held to fp64 too. Grads: see ``check_grad``. bf16 / fp16 run on CPU with this fp64-relative bar
+(CPU matmuls accumulate in fp32).
 
 Profiles (tests/conftest.py): ``TILECOMPILE_FUZZ=ci`` (default: derandomized, a few minutes on 2 cores) and
 ``TILECOMPILE_FUZZ=long`` (about 10,000 examples over the file, scaled by ``TILECOMPILE_FUZZ_SCALE``; print_blob
@@ -149,52 +151,61 @@ def _loss(outputs: tuple, gen_seed: int) -> torch.Tensor:
 def check_tensor(
     name: str, got: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, magnitude: float = 0.0
 ) -> None:
-    """``got`` is as close to the fp64 ``ref`` as eager is (x2) plus EPS of ``ref``'s size, plus two unit roundings
-    (one ``finfo.eps``) of ``magnitude``: the size of the terms a cancelling sum was made of (0 when not known).
-    Non-finite exactly where eager's are."""
+    """``got`` is non-finite exactly where the fp64 ``ref`` is; elsewhere it is as close to ``ref`` as eager is (x2)
+    plus EPS of ``ref``'s size, plus two unit roundings (one ``finfo.eps``) of ``magnitude``: the size of the terms
+    a cancelling sum was made of (0 when not known). Eager's non-finite entries are neither required nor enough: a
+    CPU bf16 GEMM can leak a NaN row into its neighbour (issue #10), so where eager is non-finite and ``ref`` is not,
+    eager's value is left out of its error and ``got`` is still held to ``ref``."""
     assert got.shape == eager.shape, f"{name}: shape {tuple(got.shape)} != eager {tuple(eager.shape)}"
     assert got.dtype == eager.dtype, f"{name}: dtype {got.dtype} != eager {eager.dtype}"
     g, e, r = (t.detach().double() for t in (got, eager, ref))
-    fin_g, fin_e = torch.isfinite(g), torch.isfinite(e)
-    if not torch.equal(fin_g, fin_e):
-        idx = tuple(int(i) for i in (fin_g != fin_e).nonzero()[0])
-        raise AssertionError(f"{name}: non-finite mismatch at {idx}: got {g[idx].item()}, eager {e[idx].item()}")
-    both = fin_e & torch.isfinite(r)
-    if not both.any():
+    fin_g, fin_r = torch.isfinite(g), torch.isfinite(r)
+    if not torch.equal(fin_g, fin_r):
+        idx = tuple(int(i) for i in (fin_g != fin_r).nonzero()[0])
+        raise AssertionError(
+            f"{name}: non-finite mismatch at {idx}: got {g[idx].item()}, fp64 {r[idx].item()} (eager {e[idx].item()})"
+        )
+    if not fin_r.any():
         return
-    g, e, r = g[both], e[both], r[both]
+    fin_e = torch.isfinite(e) & fin_r
+    eager_err = (e[fin_e] - r[fin_e]).abs().max().item() if fin_e.any() else 0.0
+    g, r = g[fin_r], r[fin_r]
     scale = r.abs().max().item()
-    tol = 2 * (e - r).abs().max().item() + EPS[dtype] * max(scale, 1e-3) + torch.finfo(dtype).eps * magnitude
-    assert_close(g, r, rtol=0, atol=tol, name=f"{name} (vs fp64; eager err {(e - r).abs().max().item():.3g})")
+    tol = 2 * eager_err + EPS[dtype] * max(scale, 1e-3) + torch.finfo(dtype).eps * magnitude
+    assert_close(g, r, rtol=0, atol=tol, name=f"{name} (vs fp64; eager err {eager_err:.3g})")
 
 
 def check_grad(name: str, got, eager, ref, dtype, *, per_token: bool, kink: bool = False, magnitude=0.0) -> None:
-    """Gradients: as ``check_tensor`` where both are finite; non-finite entries may differ inside what eager has
-    poisoned too (IEEE detail: eager's inf - inf in one column can stay 0 · inf = finite in another, while the fused
-    op's row is NaN). Token-indexed grads (``per_token``): a non-finite entry only in a token row eager has a
-    non-finite in; parameter grads (a sum over tokens): only when eager's grad has a non-finite somewhere."""
+    """Gradients: as ``check_tensor`` where ``got`` and the fp64 ``ref`` are both finite; a non-finite entry of
+    ``got`` only inside what ``ref`` has poisoned (IEEE detail: the reference's inf - inf in one column can stay
+    0 · inf = finite in another, while the fused op's row is NaN). Token-indexed grads (``per_token``): only in a
+    token row ``ref`` has a non-finite in; parameter grads (a sum over tokens): only when ``ref``'s grad has a
+    non-finite somewhere. A finite entry where ``ref``'s is not is not checked. Eager's non-finite entries widen
+    nothing (see ``check_tensor``: eager's CPU bf16 GEMM can poison rows the fp64 reference does not)."""
     if got is None or eager is None:
         assert got is None and eager is None, f"{name}: grad is None in one only ({got is None=}, {eager is None=})"
         return
-    g, e = got.detach().double(), eager.detach().double()
-    eager_bad = ~torch.isfinite(e)
-    poisoned = (
-        eager_bad.any(-1, keepdim=True).expand_as(e) if per_token and e.dim() > 0 else eager_bad.any().expand_as(e)
-    )
+    g, e, r = got.detach().double(), eager.detach().double(), ref.detach().double()
+    ref_bad = ~torch.isfinite(r)
+    poisoned = ref_bad.any(-1, keepdim=True).expand_as(r) if per_token and r.dim() > 0 else ref_bad.any().expand_as(r)
     bad = ~torch.isfinite(g) & ~poisoned
     if bad.any():
         idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise AssertionError(f"{name}: non-finite at {idx} where eager is finite ({e[idx].item()}) and not poisoned")
-    keep = torch.isfinite(e) & torch.isfinite(g)
-    got_k, eager_k = torch.where(keep, got.detach(), 0), torch.where(keep, eager.detach(), 0)
+        raise AssertionError(
+            f"{name}: non-finite at {idx} where fp64 is finite ({r[idx].item()}) and not poisoned "
+            f"(got {g[idx].item()}, eager {e[idx].item()})"
+        )
+    keep = torch.isfinite(g) & torch.isfinite(r)
+    got_k, eager_k, ref_k = (torch.where(keep, t.detach(), 0) for t in (got, eager, ref))
     if kink:
         # ReLU'(g) flips where g is within rounding of 0, and the op rounds g once (addmm) where eager may round
-        # twice (matmul, then + bias): single elements then differ by O(1). Compare the whole tensor instead.
-        ref_k = torch.where(keep, ref.detach().double(), 0)
+        # twice (matmul, then + bias): single elements then differ by O(1). Compare the whole tensor instead;
+        # eager's error counts only where eager has a value.
+        eager_k = torch.where(torch.isfinite(e), eager_k.double(), ref_k)
         bound = 2 * rel_err(eager_k, ref_k) + (0.05 if dtype == torch.float32 else 0.25)
         assert rel_err(got_k, ref_k) <= bound, f"{name}: rel err {rel_err(got_k, ref_k):.3g} > {bound:.3g} (ReLU)"
         return
-    check_tensor(name, got_k, eager_k, ref.detach(), dtype, magnitude)
+    check_tensor(name, got_k, eager_k, ref_k, dtype, magnitude)
 
 
 def _scalar_grad_magnitudes(outs: tuple, inputs: dict, gen_seed: int) -> dict[str, float]:
@@ -268,6 +279,34 @@ def execute(run: Run) -> tilecompile.Report:
     got = {name: rep.counts[name] for name in run.expected}
     assert got == expected, f"counts {got} != {expected} ({rep.graphs} graph(s))\n{rep}"
     return rep
+
+
+def test_nonfinite_entries_follow_the_fp64_reference():
+    """The checks above hold the op to fp64's non-finite entries, exactly: eager's extra ones (issue #10: its CPU bf16
+    GEMM put NaN in the row next to a NaN row) are allowed, not required, and where eager has them the op is held to
+    fp64's value; the op adding or dropping a non-finite fails even where eager does the same."""
+    nan, f32 = float("nan"), torch.float32
+    ref = torch.tensor([[1.0, 2.0], [nan, nan], [3.0, 4.0]], dtype=torch.float64)
+    leaked = ref.clone()
+    leaked[0] = nan
+    check_tensor("as fp64", ref.float(), ref.float(), ref, f32)
+    check_tensor("eager leaked", ref.float(), leaked.float(), ref, f32)
+    extra, dropped, off = ref.clone(), ref.clone(), ref.clone()
+    extra[0, 0], dropped[1] = nan, 0.0
+    off[0, 0] += 0.5
+    for got, eager in ((extra, extra), (leaked, leaked), (dropped, dropped)):
+        with pytest.raises(AssertionError, match="non-finite mismatch"):
+            check_tensor("op", got.float(), eager.float(), ref, f32)
+    with pytest.raises(AssertionError, match="differ"):
+        check_tensor("op off where eager leaked", off.float(), leaked.float(), ref, f32)
+    # grads: a non-finite only in a row fp64 poisons (any entry of it), never in one only eager poisons
+    check_grad("grad", ref.float(), leaked.float(), ref, f32, per_token=True)
+    row_nan = torch.tensor([[1.0, nan], [3.0, 4.0]], dtype=torch.float64)
+    check_grad("grad row", torch.tensor([[nan, nan], [3.0, 4.0]]), row_nan.float(), row_nan, f32, per_token=True)
+    with pytest.raises(AssertionError, match="not poisoned"):
+        check_grad("grad", extra.float(), leaked.float(), ref, f32, per_token=True)
+    with pytest.raises(AssertionError, match="differ"):
+        check_grad("grad off where eager leaked", off.float(), leaked.float(), ref, f32, per_token=True)
 
 
 GATHER_HEADS = ("log_softmax_gather", "take_along_dim", "gather_minus_logsumexp", "logp_and_entropy", "trl_selective")
@@ -402,10 +441,27 @@ def ce_nonfinite_cases(draw):
     return spec, dataclasses.replace(ci, bad_rows=rows, bad_value=bad), dtype, layout, no_grad, seed
 
 
+# Issue #10: ci-profile draw of hypothesis 6.170.17. The op has NaN in row 11 only, as fp64 does; eager CPU bf16
+# autocast was reported with NaN in row 10 too (its GEMM leaked the row; not on every CPU: not on the AVX-512 bf16
+# and AMX machines tried since). The property holds the op to fp64's non-finite entries, not to eager's.
+_FOUND_NONFINITE = [
+    (
+        CESpec("ce_mean_and_entropy", "module", "none", 1.0, False, False, -100, True),
+        CEInputs(24, 11, 0.0, 0.3, False, True, 0, bad_rows=(11,), bad_value=float("nan")),
+        torch.float32,
+        Layout((1, 17), (), None),
+        True,
+        0,
+    ),
+]
+
+
 @examples(ci=15, long=800)
 @given(case=ce_nonfinite_cases())
+@example(case=_FOUND_NONFINITE[0])
 def test_ce_nonfinite_hidden_states_behave_like_eager(case):
-    """A NaN / inf in one token's hidden state poisons that token's outputs (and what sums over tokens), as eager."""
+    """A NaN / inf in one token's hidden state poisons that token's outputs (and what sums over tokens), as in the
+    fp64 reference: no more, no less (eager's bf16 autocast GEMM has poisoned a neighbouring row too, issue #10)."""
     spec, ci, dtype, layout, no_grad, seed = case
     execute(ce_run(spec, ci, dtype, layout, no_grad, seed))
 
