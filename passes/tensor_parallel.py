@@ -752,7 +752,7 @@ class _Records:
 
     def linear(self, node: fx.Node, spec: P.ShardSpec, embedding: bool = False) -> None:
         reg = self._region(node)
-        leaf = _leaf(spec)
+        leaf = _leaf(spec, node if embedding else None)
         entry = f"{leaf}:{'vocab_embedding' if embedding else spec.style}"
         if entry not in reg["linears"]:
             reg["linears"].append(entry)
@@ -760,14 +760,17 @@ class _Records:
 
     def add(self, node: fx.Node, what: str, spec: P.ShardSpec, embedding: bool = False) -> None:
         reg = self._region(node)
-        leaf = _leaf(spec)
+        leaf = _leaf(spec, node if embedding else None)
         if embedding:
             self.linear(node, spec, embedding=True)
         fn = {"copy_to_tp": C.copy_to_tp, "gather_seq": C.gather_seq, "gather_logits": C.gather_from_tp,
               "reduce_scatter_seq": C.reduce_scatter_seq, "reduce_from_tp": C.reduce_from_tp,
               "scatter_input": C.scatter_to_tp}[what]  # fmt: skip
         fwd, bwd = C.COLLECTIVES[fn]
-        if fwd:
+        if what == "gather_logits":
+            fwd = f"{fwd}({leaf} logits; fused_linear_ce replaces it by all_reduce max + sum when it fuses the loss)"
+            reg["fwd"].append(fwd)
+        elif fwd:
             reg["fwd"].append(f"{fwd}({leaf})")
         if bwd:
             reg["bwd"].append(f"{bwd}({leaf})")
@@ -791,7 +794,10 @@ class _Records:
         return out
 
 
-def _leaf(spec: P.ShardSpec) -> str:
+def _leaf(spec: P.ShardSpec, node: fx.Node | None = None) -> str:
+    """The sharded module's own name (``q_proj``); for a tied embedding, the embedding's (``embed_tokens``)."""
+    if node is not None and G.module_path(node):
+        return G.module_path(node).rsplit(".", 1)[-1]
     parts = spec.fqn.split(".")
     return parts[-2] if len(parts) >= 2 else spec.fqn
 

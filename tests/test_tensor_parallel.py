@@ -284,6 +284,71 @@ def check_sp(rank, world, arch, options, loss_fn=ppo_loss, layers=2):
     assert rep.counts["fused_linear_ce"] == (1 if fused else 0), rep
 
 
+def check_tied(rank, world):
+    """Qwen2 with tied embeddings: the input embedding looks up its vocabulary rows and all-reduces (forward)."""
+    (fw, bw), rep = run_tp(rank, world, "qwen2", {}, tied=True, layers=1)
+    assert (fw, bw) == expected_counts(1, fused=True, tied=True), (fw, bw)
+    regions = {r.module_path: r.detail for r in rep.rewrites if r.pass_name == "tensor_parallel"}
+    assert "embed_tokens:vocab_embedding" in regions["model"], regions
+
+
+def check_checkpointing(rank, world):
+    """Activation checkpointing: the collectives go into the checkpoint bodies; the recomputed forward repeats each
+    block's all-reduce in the backward (one more per block)."""
+    from helpers import assert_close, compile_options
+
+    data = batch()
+    model = tiny("llama", layers=1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    full = copy.deepcopy(model)
+    expected = ppo_loss(full, *data)
+    expected.backward()
+    tilecompile.parallelize(model, PLAN)
+    torch._dynamo.reset()
+    tilecompile.reset()
+    with GraphCapture() as cap:
+        loss = torch.compile(ppo_loss, backend="tilecompile", options=compile_options())(model, *data)
+        loss.backward()
+    assert_close(loss, expected, rtol=RTOL, atol=ATOL, name=f"rank {rank} loss")
+    check_grads(model, full, rank, world)
+    fw, bw = expected_counts(1, fused=True)
+    assert cap.counts() == (fw, bw + Counter({"all_reduce:sum": 2})), cap.counts()
+    assert tilecompile.report().counts["tensor_parallel"] == 3
+
+
+def check_packed(rank, world):
+    """Phi-3's fused gate_up_proj as packed_colwise (each half split on its own; its attention stays replicated):
+    the tiled MLP pass tiles the local gate_up shard."""
+    from helpers import assert_close, compile_options
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Phi3Config(
+        hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(cfg).train()
+    data = batch()
+    full = copy.deepcopy(model)
+    expected = ppo_loss(full, *data)
+    expected.backward()
+    plan = {"model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise",
+            "lm_head": "vocab_colwise"}  # fmt: skip
+    tilecompile.parallelize(model, plan)
+    torch._dynamo.reset()
+    tilecompile.reset()
+    with GraphCapture() as cap:
+        loss = torch.compile(ppo_loss, backend="tilecompile", options=compile_options())(model, *data)
+        loss.backward()
+    assert_close(loss, expected, rtol=RTOL, atol=ATOL, name=f"rank {rank} loss")
+    check_grads(model, full, rank, world)
+    fw = Counter({"all_reduce:sum": 2, "all_reduce:max": 1})  # down_proj, the lm_head statistics
+    assert cap.counts() == (fw, Counter({"all_reduce:sum": 2})), cap.counts()
+    rep = tilecompile.report()
+    assert rep.counts["tiled_mlp"] == 1 and "fused=gate_up" in rep.rewrites[-1].detail, rep
+
+
 def scenario_two(rank, world):
     """2 ranks: Llama with every pass, with the fused lm_head off, with the tiled MLP off; Qwen2 (q/k/v biases)."""
     check_plain(rank, world, "llama", {})
@@ -293,6 +358,9 @@ def scenario_two(rank, world):
     check_plain(rank, world, "llama", {}, loss_fn=sft_loss, layers=1)  # cross-entropy, ignore_index=-100 rows
     check_sp(rank, world, "llama", {})
     check_sp(rank, world, "qwen2", {"fused_linear_ce": 0, "tiled_mlp": 0}, layers=1)
+    check_tied(rank, world)
+    check_checkpointing(rank, world)
+    check_packed(rank, world)
 
 
 def check_tp_dp(rank, world):
