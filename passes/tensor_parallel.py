@@ -818,6 +818,18 @@ def sharded_inputs(gm: fx.GraphModule) -> dict[fx.Node, P.ShardSpec]:
     return out
 
 
+def check_off(gm: fx.GraphModule) -> None:
+    """Called by the pipeline when this pass is switched off: a graph of sharded parameters must not compile."""
+    specs = sharded_inputs(gm)
+    if specs:
+        names = ", ".join(sorted({s.fqn for s in specs.values()})[:3])
+        raise TensorParallelError(
+            f"the tensor_parallel pass is off (TILECOMPILE_TENSOR_PARALLEL=0 or options) but the graph reads "
+            f"parameters sharded by tilecompile.parallelize ({names}, ...): it would compute on shards without "
+            "collectives. Turn the pass on."
+        )
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult()
     if getattr(gm, _DONE, None) is not None:

@@ -452,6 +452,26 @@ def one_process_group():
         dist.destroy_process_group()
 
 
+def test_one_rank_group_and_pass_off(one_process_group):
+    """A group of one: the lowered graph (collectives over one rank) equals the model; with the pass switched off
+    a parallelized model refuses to compile instead of running on shards without collectives."""
+    from helpers import assert_close, compile_options
+
+    data = batch()
+    model, full, expected = reference("llama", False, data, layers=1)
+    tilecompile.parallelize(model, PLAN)
+    with GraphCapture() as cap:
+        loss = torch.compile(ppo_loss, backend="tilecompile", options=compile_options())(model, *data)
+        loss.backward()
+    assert_close(loss, expected, rtol=RTOL, atol=ATOL, name="loss")
+    check_grads(model, full, 0, 1)
+    assert cap.counts() == expected_counts(1, fused=True)
+    torch._dynamo.reset()
+    off = torch.compile(ppo_loss, backend="tilecompile", options=compile_options(tensor_parallel=0))
+    with pytest.raises(Exception, match="tensor_parallel pass is off .* sharded by tilecompile.parallelize"):
+        off(model, *data)
+
+
 def test_plan_errors_name_the_problem(one_process_group):
     model = tiny("llama")
     with pytest.raises(TP.PlanError, match="unknown style.*allowed: colwise, rowwise"):

@@ -61,6 +61,10 @@ def run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str = "graph"
     for name in PASS_ORDER:
         if not settings.pass_enabled(name):
             log.debug("pass %s is off", name)
+            # a pass whose absence would make the graph wrong says so (tensor parallel on sharded parameters)
+            check_off = getattr(importlib.import_module(f"tilecompile.passes.{name}"), "check_off", None)
+            if check_off is not None:
+                check_off(gm)
             continue
         saved = {sub_name: _snapshot(sub.graph) for sub_name, sub in G.graph_modules(gm)}
         try:
