@@ -72,7 +72,7 @@ def check_sdpa(node: fx.Node) -> str | None:
     if not G.same_size(qs[2], ks[2]):
         return f"query length {qs[2]} != key length {ks[2]} (not self-attention over one sequence)"
     dropout = G.arg(node, 4, "dropout_p", 0.0)
-    if dropout != 0:
+    if not _is_zero(dropout):
         return f"dropout_p={dropout!r} (only 0 is rewritten)"
     if G.arg(node, 5, "is_causal", False) is not False:
         return "is_causal is already set together with a mask"
@@ -81,6 +81,18 @@ def check_sdpa(node: fx.Node) -> str | None:
     if G.dtype(q) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return f"dtype {G.dtype(q)}"
     return None
+
+
+def _is_zero(value: Any) -> bool:
+    """A literal 0, or a symbolic float (dynamic=True makes config floats symbolic) that is 0 under a guard."""
+    if isinstance(value, fx.Node):
+        value = G.example_value(value)
+    if isinstance(value, torch.SymFloat | torch.SymInt):
+        try:
+            return bool(value == 0)  # guards on it: a call with another dropout recompiles
+        except Exception:  # noqa: BLE001 - an unbacked value cannot be decided here
+            return False
+    return isinstance(value, int | float) and value == 0
 
 
 def check_uses(gm: fx.GraphModule, mask: fx.Node) -> str | None:
@@ -149,7 +161,8 @@ def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: 
     qs, ks = G.shape(q), G.shape(k)
     graph = gm.graph
     if spec.is_causal or spec.is_full:
-        kwargs = {"attn_mask": None, "dropout_p": 0.0, "is_causal": spec.is_causal, "scale": scale}
+        dropout = G.arg(node, 4, "dropout_p", 0.0)  # 0, perhaps symbolic: kept as the graph had it
+        kwargs = {"attn_mask": None, "dropout_p": dropout, "is_causal": spec.is_causal, "scale": scale}
         if G.arg(node, 7, "enable_gqa", False):
             kwargs["enable_gqa"] = True
         with graph.inserting_before(node):
@@ -160,6 +173,8 @@ def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: 
     else:
         if scale is None:
             scale = 1.0 / math.sqrt(G.hint(qs[-1]))
+        elif isinstance(scale, fx.Node):  # a symbolic float under dynamic=True: specialised, under a guard
+            scale = float(G.example_value(scale))
         args = (q, k, v, tokens.get("pos"), tokens.get("doc"), tokens.get("valid"), spec.lo, spec.hi, float(scale))
         with graph.inserting_before(node):
             call = graph.call_function(torch.ops.tilecompile.masked_attention.default, args)

@@ -1,0 +1,379 @@
+"""The attention pass: HF models' [N, N] masks become is_causal / masked attention; outputs and grads equal eager.
+
+Tiny HF Llama, Qwen2, Qwen3 and Mistral models, with and without activation checkpointing, over four inputs: no
+mask, a padding mask (left and right), packed documents through ``position_ids``, and a sliding window. Each
+compares the loss and every parameter gradient with eager, asserts the report's rewrites, and (for the long
+cases) that no tensor of N² elements is ever created while the compiled step runs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, assert_grads_close, compile_options
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tilecompile
+import tilecompile.ops.attention  # noqa: F401
+from tilecompile.kernels import attention as K
+
+transformers = pytest.importorskip("transformers")
+
+_TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, attn_implementation="sdpa")  # fmt: skip
+
+
+def make_model(family: str, window: int | None = None, checkpointing: bool = False):
+    torch.manual_seed(0)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_TINY))
+    elif family == "qwen2":
+        extra = dict(use_sliding_window=True, sliding_window=window, max_window_layers=0) if window else {}
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_TINY, **extra))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**_TINY, head_dim=8))
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**_TINY, sliding_window=window))
+    else:
+        raise ValueError(family)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def packed_positions(lengths: list[int], batch: int) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).expand(batch, -1).contiguous()
+
+
+def padding_mask(batch: int, n: int) -> torch.Tensor:
+    mask = torch.ones(batch, n, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    if batch > 1:
+        mask[1, n - 4 :] = 0  # right padding
+    return mask
+
+
+def step(model, ids, **kwargs):
+    logits = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
+    logp = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    weights = torch.arange(logp.shape[-1], dtype=logp.dtype) % 3 + 0.5  # (linspace would specialise N)
+    return -(logp * weights).mean() + 0.1 * logits.pow(2).mean()
+
+
+def compare(model, ids, options=None, **kwargs):
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(step, backend="tilecompile", options=compile_options(**(options or {})))
+    loss = compiled(model, ids, **kwargs)
+    loss.backward()
+    expected = step(reference, ids, **kwargs)
+    expected.backward()
+    assert_close(loss, expected, rtol=1e-5, atol=1e-6, name="loss")
+    assert_grads_close(model, reference, rtol=1e-4, atol=1e-6)
+    return tilecompile.report()
+
+
+def _details(report) -> list[str]:
+    return [r.detail for r in report.rewrites if r.pass_name == "attention"]
+
+
+CASES = {
+    "none": (dict(), "is_causal=True"),
+    "padding": (dict(attention_mask=padding_mask(2, 24)), "key valid in"),
+    "packed": (dict(position_ids=packed_positions([7, 11, 6], 2)), "same"),
+}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_models_match_eager(family, case, checkpointing):
+    kwargs, detail = CASES[case]
+    model = make_model(family, checkpointing=checkpointing)
+    ids = torch.randint(0, 97, (2, 24))
+    report = compare(model, ids, **kwargs)
+    details = _details(report)
+    assert report.counts["attention"] == 2, (report.counts, report.skipped)
+    assert all(detail in d for d in details), details
+    assert not [s for s in report.skipped if s.pass_name == "attention"]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_matches_eager(family, checkpointing):
+    model = make_model(family, window=5, checkpointing=checkpointing)
+    ids = torch.randint(0, 97, (2, 24))
+    report = compare(model, ids)
+    assert report.counts["attention"] == 2, (report.counts, report.skipped)
+    assert all("0 <= Δindex <= 4" in d for d in _details(report)), _details(report)
+
+
+def test_flag_off_leaves_the_mask():
+    model = make_model("qwen2")
+    report = compare(model, torch.randint(0, 97, (2, 24)), options={"attention": False})
+    assert report.counts["attention"] == 0
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns while active."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+        self.where = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))  # the mode is off inside: a higher-order op's body is not watched
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                self.largest, self.where = t.numel(), str(func)
+        return out
+
+
+@pytest.mark.parametrize("case", ["none", "padding", "packed"])
+def test_no_quadratic_tensor_at_run_time(case):
+    """At N = 2048 an [N, N] mask has 4M elements; no op of the compiled step (forward or backward) returns a
+    tensor of even an eighth of that. The mode watches the compiled graphs' ops as they run (entered around the
+    compiled callable and the backward, so Dynamo's guards see no mode); ops inside the custom ops are not seen
+    one by one, and their blocks are bounded by ``CHUNK_BUDGET_BYTES`` (kernels/attention.py)."""
+    from tilecompile.backend import tilecompile_backend
+
+    n = 2048
+    kwargs = {
+        "none": {},
+        "padding": {"attention_mask": padding_mask(1, n)},
+        "packed": {"position_ids": packed_positions([700, 1000, 348], 1)},
+    }[case]
+    mode = _LargestTensor()
+
+    def watched(gm, example_inputs):
+        compiled = tilecompile_backend(gm, example_inputs, options=compile_options(mlp_min_tokens=0))
+
+        def run(*args):
+            with mode:
+                return compiled(*args)
+
+        return run
+
+    model = make_model("qwen2", checkpointing=True)
+    ids = torch.randint(0, 97, (1, n))
+    loss = torch.compile(step, backend=watched)(model, ids, **kwargs)
+    with mode:
+        loss.backward()
+    assert tilecompile.report().counts["attention"] == 2
+    assert mode.largest > 0
+    # the logits [N, V] (2048 * 97) are the largest legitimate tensors
+    assert mode.largest < n * n // 8, (mode.largest, mode.where)
+
+
+def test_dynamic_shapes_one_compile_serves_other_lengths():
+    model = make_model("llama", checkpointing=True)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(step, backend="tilecompile", options=compile_options(), dynamic=True)
+    graphs = []
+    for n, lengths in ((24, [7, 11, 6]), (37, [20, 17])):
+        ids = torch.randint(0, 97, (1, n))
+        pos = packed_positions(lengths, 1)
+        model.zero_grad()
+        reference.zero_grad()
+        loss = compiled(model, ids, position_ids=pos)
+        loss.backward()
+        expected = step(reference, ids, position_ids=pos)
+        expected.backward()
+        assert_close(loss, expected, rtol=1e-5, atol=1e-6, name=f"loss at {n}")
+        assert_grads_close(model, reference, rtol=1e-4, atol=1e-6)
+        graphs.append(tilecompile.report().graphs)
+    assert graphs[0] == graphs[1], f"the second length compiled again ({graphs})"
+    report = tilecompile.report()
+    assert report.counts["attention"] == 2 * report.graphs  # (Dynamo hands this step over as two graphs)
+    assert not [s for s in report.skipped if s.pass_name == "attention"]
+
+
+# ---------------------------------------------------------------------------------- hand-written masks
+
+
+class Attn(torch.nn.Module):
+    def __init__(self, heads=4, kv_heads=2, dim=32):
+        super().__init__()
+        self.h, self.hkv, self.d = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.d)
+
+    def forward(self, x, mask, **sdpa):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.hkv, self.d).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.hkv != self.h, **sdpa)
+        return out.transpose(1, 2).reshape(b, n, -1)
+
+
+def _broadcast_causal(x):
+    i = torch.arange(x.shape[1], device=x.device)
+    return i[:, None] >= i[None, :]
+
+
+def _float_window(x):
+    i = torch.arange(x.shape[1], device=x.device)
+    d = i[:, None] - i[None, :]
+    return torch.where((d >= 0) & (d < 4), 0.0, float("-inf"))
+
+
+def _doc_mask(x, doc):
+    return (doc[:, None, :, None] == doc[:, None, None, :]) & ~(
+        torch.arange(x.shape[1])[None, :] > torch.arange(x.shape[1])[:, None]
+    )
+
+
+@pytest.mark.parametrize(
+    "build,expected",
+    [(_broadcast_causal, "is_causal=True"), (_float_window, "0 <= Δindex <= 3"), (_doc_mask, "same")],
+    ids=["broadcast-causal", "float-window", "documents-not-causal-spelled"],
+)
+def test_hand_written_masks(build, expected):
+    torch.manual_seed(0)
+    model = Attn()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 19, 32, requires_grad=True)
+    doc = torch.tensor([[0] * 5 + [1] * 14, [0] * 12 + [1] * 7])
+
+    def fn(m, x, doc):
+        mask = build(x, doc) if build is _doc_mask else build(x)
+        return m(x, mask)
+
+    compiled = torch.compile(fn, backend="tilecompile", options=compile_options())
+    out = compiled(model, x, doc)
+    x_ref = x.detach().clone().requires_grad_()
+    expected_out = fn(ref, x_ref, doc)
+    assert_close(out, expected_out, rtol=1e-5, atol=1e-6, name="out")
+    g = torch.randn_like(out)
+    out.backward(g)
+    expected_out.backward(g)
+    assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5, name="x.grad")
+    assert_grads_close(model, ref, rtol=1e-4, atol=1e-5)
+    details = _details(tilecompile.report())
+    assert len(details) == 1 and expected in details[0], details
+
+
+@pytest.mark.parametrize(
+    "build,reason",
+    [
+        (lambda x: torch.rand(x.shape[1], x.shape[1]) > 0.5, "not index arithmetic"),
+        (lambda x: (lambda i: (i[:, None] >= i[None, :]) | (i[None, :] == 0))(torch.arange(x.shape[1])), "or"),
+        (lambda x: (lambda i: i[:, None] >= i[None, :] + 1)(torch.arange(x.shape[1])), None),
+    ],
+    ids=["random", "disjunction", "strictly-causal"],
+)
+def test_masks_left_alone_or_exact(build, reason):
+    """A mask that is not index arithmetic, or a disjunction, is left alone with a reason; the output equals eager
+    either way (a strictly causal mask, whose first row is empty, is rewritten and still equals eager)."""
+    torch.manual_seed(0)
+    model = Attn(heads=2, kv_heads=2)
+    x = torch.randn(1, 13, 32)
+    torch.manual_seed(1)
+    fn = lambda m, x: m(x, build(x))  # noqa: E731
+    compiled = torch.compile(fn, backend="tilecompile", options=compile_options())
+    torch.manual_seed(1)
+    out = compiled(model, x)
+    torch.manual_seed(1)
+    assert_close(out, fn(model, x), rtol=1e-5, atol=1e-6, name="out")
+    report = tilecompile.report()
+    skipped = [s.reason for s in report.skipped if s.pass_name == "attention"]
+    if reason is None:
+        assert report.counts["attention"] == 1 and not skipped
+    else:
+        assert report.counts["attention"] == 0 and skipped and reason in skipped[0], skipped
+
+
+def test_dropout_is_left_alone():
+    model = Attn(heads=2, kv_heads=2)
+    fn = lambda m, x: m(x, _broadcast_causal(x), dropout_p=0.1)  # noqa: E731
+    torch.compile(fn, backend="tilecompile", options=compile_options())(model, torch.randn(1, 9, 32))
+    skipped = [s.reason for s in tilecompile.report().skipped if s.pass_name == "attention"]
+    assert skipped and "dropout_p" in skipped[0]
+
+
+# --------------------------------------------------------------------------------------------------- the op
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "spec",
+    [dict(lo=0), dict(lo=0, hi=6), dict(doc=True), dict(lo=0, doc=True, pos=True), dict(lo=0, valid=True), dict()],
+    ids=["causal", "window", "docs-bidirectional", "docs-positions", "padding", "full"],
+)
+def test_op_against_float64_reference(spec, dtype):
+    torch.manual_seed(0)
+    b, h, hkv, n, d = 2, 6, 2, 53, 12
+    q, k, v = (torch.randn(b, heads, n, d, dtype=dtype, requires_grad=True) for heads in (h, hkv, hkv))
+    doc = torch.tensor([[0] * 20 + [1] * 33, [0] * 40 + [1] * 13]) if spec.get("doc") else None
+    pos = torch.cat([torch.arange(20), torch.arange(33)])[None] if spec.get("pos") else None
+    valid = padding_mask(b, n).bool() if spec.get("valid") else None
+    lo, hi = spec.get("lo"), spec.get("hi")
+    out, lse = torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, valid, lo, hi, 0.25)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = K.reference(*ref_in, pos, doc, valid, lo, hi, 0.25)
+    ref_grads = torch.autograd.grad(ref, ref_in, g.double())
+    eager = K.reference(q, k, v, pos, doc, valid, lo, hi, 0.25)
+    eager_grads = torch.autograd.grad(eager, (q, k, v), g)
+    for name, a, e, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (eager, *eager_grads), (ref, *ref_grads)):
+        ours, theirs = (a.double() - r).abs().max().item(), (e.double() - r).abs().max().item()
+        assert ours <= 2 * theirs + 1e-12 * r.abs().max().item() + (1e-6 if dtype == torch.float32 else 0), (
+            name, ours, theirs,
+        )  # fmt: skip
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def test_op_opcheck():
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 33, 8).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(1, 2, 33, 8, requires_grad=True) for _ in range(2))
+    doc = torch.zeros(1, 33, dtype=torch.long)
+    doc[:, 10:] = 1
+    torch.library.opcheck(torch.ops.tilecompile.masked_attention.default, (q, k, v, None, doc, None, 0, None, 0.3))
+
+
+def test_op_rejects_bad_input():
+    q = torch.randn(1, 3, 8, 4)
+    k = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        torch.ops.tilecompile.masked_attention(q, k, k, None, None, None, 0, None, 0.5)
+    with pytest.raises(ValueError, match=r"doc must be \[B or 1, N\]"):
+        torch.ops.tilecompile.masked_attention(q, q, q, None, torch.zeros(1, 7), None, 0, None, 0.5)
+
+
+@pytest.mark.slow
+def test_inductor_cpu_checkpointed_packed():
+    """Through Inductor's CPU backend (its stride asserts check the ops' fake kernels against the real ones)."""
+    model = make_model("qwen2", checkpointing=True)
+    report = compare(model, torch.randint(0, 97, (2, 24)), options={"inner": "inductor"},
+                     position_ids=packed_positions([7, 11, 6], 2))  # fmt: skip
+    assert report.counts["attention"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["packed", "window"])
+def test_cuda_varlen_path_matches_float64(case):
+    torch.manual_seed(0)
+    b, h, hkv, n, d = 1, 8, 2, 1024, 64
+    dev = "cuda"
+    q, k, v = (torch.randn(b, x, n, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for x in (h, hkv, hkv))
+    pos = doc = None
+    hi = None
+    if case == "packed":
+        doc = (torch.arange(n, device=dev) // 300)[None]
+        pos = (torch.arange(n, device=dev) - doc[0] * 300)[None]
+    else:
+        hi = 99
+    assert K.varlen_plan(q, k, pos, doc, None, 0, hi) is not None
+    out, _ = torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, None, 0, hi, d**-0.5)
+    ref_in = [t.detach().double() for t in (q, k, v)]
+    ref = K.reference(*ref_in, pos, doc, None, 0, hi, d**-0.5)
+    eager = K.reference(q, k, v, pos, doc, None, 0, hi, d**-0.5)
+    assert (out.double() - ref).norm() <= 1.5 * (eager.double() - ref).norm()
