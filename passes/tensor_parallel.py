@@ -170,8 +170,8 @@ class _Lowering:
             node = self.insert(C.copy_to_tp, x, *self.g(), before=consumer)
             self.place[node] = None
             self.copied[key] = node
-            reg = self.records._region(consumer)
-            reg["bwd"].append(f"all_reduce({x.name}: sequence-parallel grad)")
+            reg = self.records._region(consumer, own=True)
+            reg["bwd"].append("all_reduce(weight grad: each rank's tokens give part of it)")
         return self.copied[key]
 
     def replace_arg(self, node: fx.Node, old: fx.Node, new: fx.Node) -> None:
@@ -745,13 +745,15 @@ class _Records:
     def __init__(self) -> None:
         self.regions: dict[str, dict[str, Any]] = {}
 
-    def _region(self, node: fx.Node) -> dict[str, Any]:
+    def _region(self, node: fx.Node, own: bool = False) -> dict[str, Any]:
+        """The block holding ``node``'s module (an MLP, an attention), or with ``own`` the module itself (an
+        lm_head, an embedding: a region of one module)."""
         path = G.module_path(node)
-        parent = path.rsplit(".", 1)[0] if "." in path else path
+        parent = path.rsplit(".", 1)[0] if "." in path and not own else path
         return self.regions.setdefault(parent, {"linears": [], "fwd": [], "bwd": [], "shapes": {}})
 
     def linear(self, node: fx.Node, spec: P.ShardSpec, embedding: bool = False) -> None:
-        reg = self._region(node)
+        reg = self._region(node, own=embedding or spec.style == "vocab_colwise")
         leaf = _leaf(spec, node if embedding else None)
         entry = f"{leaf}:{'vocab_embedding' if embedding else spec.style}"
         if entry not in reg["linears"]:
@@ -759,7 +761,7 @@ class _Records:
             reg["shapes"][leaf] = spec.global_shape
 
     def add(self, node: fx.Node, what: str, spec: P.ShardSpec, embedding: bool = False) -> None:
-        reg = self._region(node)
+        reg = self._region(node, own=embedding or spec.style == "vocab_colwise")
         leaf = _leaf(spec, node if embedding else None)
         if embedding:
             self.linear(node, spec, embedding=True)
