@@ -174,8 +174,8 @@ def _index_view_map(in_rank: int, index: tuple) -> dict[int, int] | None:
 
 
 def _remap(value: Any, in_rank: int, out_rank: int, mapping: dict[int, int]) -> Any:
-    def fn(axis: int) -> int:
-        return mapping[in_rank + axis] - out_rank
+    def fn(axis):
+        return mapping[in_rank + axis] - out_rank if isinstance(axis, int) else axis  # vmap levels stay
 
     return _map_value(value, fn)
 
@@ -301,6 +301,14 @@ class Interpreter:
             raise NotIndexArithmetic(f"{node.name} is a graph input of shape {G.shape(node)}, not per-token [B, N]")
         if node.op == "call_function" and node.target is torch.arange:
             return self._arange(node)
+        vmap = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if vmap == "_add_batch_dim":
+            return self._add_batch_dim(node)
+        if vmap == "_remove_batch_dim":
+            return self._remove_batch_dim(node)
+        if node.op == "call_function" and node.target in (torch.ops.aten.index.Tensor, torch.ops.aten.index):
+            src, indices = node.args[0], node.args[1]
+            return self._gather(node, src, tuple(indices))
         cmp = _cmp_name(node)
         if cmp is not None:
             a, b = (self._num(x) for x in (G.arg(node, 0, "input"), G.arg(node, 1, "other")))
@@ -490,6 +498,35 @@ class Interpreter:
             return Tok(b.node, t_axis, b_axis if b.batch_axis is not None else None), 0
 
         return _rebase(v, move)
+
+    # vmap (HF builds custom masks so): a batched dimension is an axis named by its vmap level until
+    # _remove_batch_dim puts it back among the tensor's dims.
+
+    def _add_batch_dim(self, node: fx.Node) -> Any:
+        src, in_dim, level = node.args[:3]
+        in_rank = len(G.shape(src) or ())
+        gone = G.normalize_dim(in_dim, in_rank) - in_rank
+
+        def fn(axis):
+            if axis == gone:
+                return ("vmap", level)
+            return axis + 1 if isinstance(axis, int) and axis < gone else axis
+
+        return _map_value(self.value(src), fn)
+
+    def _remove_batch_dim(self, node: fx.Node) -> Any:
+        src, level, _size, out_dim = node.args[:4]
+        r, big = len(G.shape(src) or ()), len(G.shape(node) or ())
+
+        def fn(axis):
+            if axis == ("vmap", level):
+                return out_dim - big
+            if isinstance(axis, int):
+                p = r + axis
+                return p + (1 if p >= out_dim else 0) - big
+            return axis
+
+        return _map_value(self.value(src), fn)
 
     def _diff(self, node: fx.Node) -> Any:
         """diff(x, prepend=p, dim=-1) of x = c·index + k with p = k - c: the constant c everywhere."""

@@ -377,3 +377,41 @@ def test_cuda_varlen_path_matches_float64(case):
     ref = K.reference(*ref_in, pos, doc, None, 0, hi, d**-0.5)
     eager = K.reference(q, k, v, pos, doc, None, 0, hi, d**-0.5)
     assert (out.double() - ref).norm() <= 1.5 * (eager.double() - ref).norm()
+
+
+def _vmapped(fn):
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=dims, out_dims=0)
+    return fn
+
+
+def test_vmap_built_masks():
+    """Masks built with torch.vmap over (batch, head, q, kv), as HF does for custom mask functions."""
+    from transformers.masking_utils import and_masks, causal_mask_function, sdpa_mask, sliding_window_overlay
+
+    def plain(x, pad):
+        n = x.shape[2]
+        mask = _vmapped(lambda b, h, q, kv: kv <= q)(torch.arange(2), torch.arange(1), torch.arange(n), torch.arange(n))
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+    def hf(x, pad):
+        mask = sdpa_mask(batch_size=2, q_length=x.shape[2], kv_length=x.shape[2], attention_mask=pad.bool(),
+                         mask_function=and_masks(causal_mask_function, sliding_window_overlay(3)), use_vmap=True,
+                         allow_is_causal_skip=False, device=x.device)  # fmt: skip
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[0, :2] = 0
+    for fn, expected in ((plain, "is_causal=True"), (hf, "0 <= Δindex <= 2 and key valid in")):
+        tilecompile.reset()
+        torch._dynamo.reset()
+        x = torch.randn(2, 2, 9, 4, requires_grad=True)
+        out = torch.compile(fn, backend="tilecompile", options=compile_options())(x, pad)
+        x_ref = x.detach().clone().requires_grad_()
+        ref = fn(x_ref, pad)
+        assert_close(out, ref, rtol=1e-5, atol=1e-6, name=fn.__name__)
+        out.sum().backward()
+        ref.sum().backward()
+        assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6, name=f"{fn.__name__} x.grad")
+        details = _details(tilecompile.report())
+        assert len(details) == 1 and expected in details[0], details
