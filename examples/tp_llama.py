@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"))
     ap.add_argument("--check", action="store_true", help="first loss against the unsharded model (tiny only)")
+    ap.add_argument("--async-tp", action="store_true", help="CUDA + --sequence-parallel: Inductor's micro-pipeline TP")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -116,6 +117,13 @@ def main() -> None:
         reference = PPOLoss(copy.deepcopy(model).float())(*batch(args.batch, args.seq, vocab, 1 + dp_rank, device))
 
     tilecompile.parallelize(model, PLAN, group=tp_group, sequence_parallel=args.sequence_parallel)
+    if args.async_tp and cuda:
+        # the sequence-parallel all_gather -> matmul and matmul -> reduce_scatter pairs are in the form Inductor's
+        # micro-pipeline pass decomposes into overlapped steps (it needs symmetric memory on the TP group)
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(tp_group.group_name)
+        torch._inductor.config._micro_pipeline_tp = True
     loss_module = PPOLoss(model)
     if world > tp:
         from torch.nn.parallel import DistributedDataParallel as DDP

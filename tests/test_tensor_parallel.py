@@ -349,6 +349,30 @@ def check_packed(rank, world):
     assert rep.counts["tiled_mlp"] == 1 and "fused=gate_up" in rep.rewrites[-1].detail, rep
 
 
+def check_dynamic(rank, world):
+    """dynamic=True: one compile serves two sequence lengths, both equal to the unsharded model."""
+    from helpers import assert_close, compile_options
+
+    model = tiny("llama", layers=1)
+    full = copy.deepcopy(model)
+    tilecompile.parallelize(model, PLAN)
+    torch._dynamo.reset()
+    tilecompile.reset()
+    step = torch.compile(ppo_loss, backend="tilecompile", options=compile_options(), dynamic=True)
+    for seq in (8, 12):
+        data = batch(seq=seq)
+        model.zero_grad()
+        full.zero_grad()
+        expected = ppo_loss(full, *data)
+        expected.backward()
+        loss = step(model, *data)
+        loss.backward()
+        assert_close(loss, expected, rtol=RTOL, atol=ATOL, name=f"rank {rank} loss at {seq} tokens")
+        check_grads(model, full, rank, world)
+    graphs = tilecompile.report().graphs
+    assert graphs <= 2 and tilecompile.report().counts["fused_linear_ce"] == graphs, tilecompile.report()
+
+
 def scenario_two(rank, world):
     """2 ranks: Llama with every pass, with the fused lm_head off, with the tiled MLP off; Qwen2 (q/k/v biases)."""
     check_plain(rank, world, "llama", {})
@@ -361,6 +385,7 @@ def scenario_two(rank, world):
     check_tied(rank, world)
     check_checkpointing(rank, world)
     check_packed(rank, world)
+    check_dynamic(rank, world)
 
 
 def check_tp_dp(rank, world):
