@@ -318,3 +318,27 @@ def test_pipeline_restores_graph_on_failure_directly():
     finally:
         pipeline.load_pass = real
     assert gm.code == before
+
+
+def test_dynamic_graphs_turn_off_inductor_mix_order_reduction(monkeypatch):
+    """torch 2.11's mix-order reduction miscomputes its workspace slice under symbolic token counts (issue #13):
+    a dynamic graph compiles without it, a static one keeps Inductor's default, and a user's own setting wins."""
+    import torch._inductor.compile_fx as cfx
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    monkeypatch.delenv("TILECOMPILE_INNER", raising=False)
+    fn = lambda x: torch.nn.functional.rms_norm(x, (x.shape[-1],)).sum()  # noqa: E731
+    torch.compile(fn, backend="tilecompile", dynamic=True)(torch.randn(5, 8))
+    torch._dynamo.reset()
+    torch.compile(fn, backend="tilecompile", dynamic=False)(torch.randn(5, 8))
+    torch._dynamo.reset()
+    options = {"triton.mix_order_reduction": True}
+    torch.compile(fn, backend="tilecompile", dynamic=True, options=options)(torch.randn(5, 8))
+    key = "triton.mix_order_reduction"
+    assert [p.get(key) for p in seen] == [False, None, True], seen

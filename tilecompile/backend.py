@@ -97,6 +97,33 @@ def _tagged_caches():
     return cfg.patch(cache_key_tag="|".join(t for t in (cfg.cache_key_tag, cache_tag()) if t))
 
 
+def is_dynamic(example_inputs: Sequence[Any]) -> bool:
+    """Some input has a symbolic size, or is a symbolic scalar: the graph serves more than one shape."""
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt | torch.SymFloat):
+            return True
+        if isinstance(x, torch.Tensor) and any(not isinstance(s, int) for s in x.shape):
+            return True
+    return False
+
+
+def dynamic_workarounds(example_inputs: Sequence[Any], options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor settings a dynamic-shape graph needs, unless the user set them.
+
+    Inductor's mix-order reduction (on by default since torch 2.10; it fuses the two reductions of an RMSNorm
+    backward) slices its workspace with an unparenthesised symbolic offset when the token count is symbolic:
+    ``workspace[0 * 1 + floor(s/16) * 1536 : ...].view(1 + floor(s/16), 1536)``, so the first backward of a
+    dynamic HF model step fails with "shape '[N/16, 1536]' is invalid for input of size 1" (torch 2.11, CUDA;
+    benchmarks/probe_dynamic.py shows it and that this setting alone removes it, for Inductor and tilecompile).
+    """
+    import torch._inductor.config as inductor_config
+
+    key = "triton.mix_order_reduction"
+    if not is_dynamic(example_inputs) or key in options or key not in inductor_config.get_config_copy():
+        return {}
+    return {key: False}
+
+
 def _inner_compile(
     gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str, mode: str | None, options: dict[str, Any]
 ) -> Callable[..., Any]:
@@ -104,6 +131,7 @@ def _inner_compile(
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
+        patches = {**dynamic_workarounds(example_inputs, options), **patches}
         with _tagged_caches():
             return compile_fx(gm, example_inputs, config_patches=patches)
     if patches:
