@@ -953,6 +953,8 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
             args = [hb, weight, labels, float(temperature_of(chain)), int(ignore), with_entropy, settings.check_inputs,
                     int(settings.ce_vocab_chunk)]  # fmt: skip
             vp = r.vocab_parallel
+            if vp is not None and int(ignore) >= 0:
+                raise _Reject(f"ignore_index={ignore}: the vocab-parallel op needs a negative one (logits gathered)")
             if vp is not None:  # the local weight's statistics, reduced across the group; no logits gathered
                 args = [*args[:6], int(settings.ce_vocab_chunk), vp.group, vp.world, vp.rank]
                 fused = b.call(_vocab_parallel_op(), *args)

@@ -373,8 +373,45 @@ def check_dynamic(rank, world):
     assert graphs <= 2 and tilecompile.report().counts["fused_linear_ce"] == graphs, tilecompile.report()
 
 
+def check_vocab_parallel_op(rank, world):
+    """The vocab-parallel op alone (eager, odd sizes, ignored rows, temperature): log-prob, entropy and the grads of
+    h (summed across ranks) and of this rank's weight rows equal the unfused formula on the whole vocabulary."""
+    from helpers import assert_close
+    from tilecompile.kernels.fused_linear_ce import reference_logprob_entropy
+
+    from tilecompile.ops.fused_linear_ce import vocab_parallel_logprob
+
+    g = torch.Generator().manual_seed(3)
+    n, d, v = 13, 24, 38 * world
+    h = torch.randn(n, d, generator=g, dtype=torch.float64).float()
+    w = torch.randn(v, d, generator=g, dtype=torch.float64).float()
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[[2, 7]] = -100
+    glp, gent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lp_ref, ent_ref = reference_logprob_entropy(hr, wr, labels, temperature=0.7)
+    ((lp_ref * glp).sum() + (ent_ref * gent).sum()).backward()
+    rows = v // world
+    hl, wl = h.clone().requires_grad_(), w[rank * rows : (rank + 1) * rows].clone().requires_grad_()
+    group = dist.group.WORLD.group_name
+    lp, ent = vocab_parallel_logprob(hl, wl, labels, 0.7, -100, True, 0, group, world, rank)
+    ((lp * glp).sum() + (ent * gent).sum()).backward()
+    assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5, name="logp")
+    assert_close(ent, ent_ref, rtol=1e-5, atol=1e-5, name="entropy")
+    dh = hl.grad.clone()
+    dist.all_reduce(dh)  # the op returns this shard's part of dh (copy_to_tp sums it in a compiled graph)
+    assert_close(dh, hr.grad, rtol=1e-4, atol=1e-5, name="grad h")
+    assert_close(wl.grad, wr.grad[rank * rows : (rank + 1) * rows], rtol=1e-4, atol=1e-5, name="grad W shard")
+    bad = labels.clone()
+    bad[0] = v  # out of range on every rank
+    with pytest.raises(ValueError, match="out of range"):
+        vocab_parallel_logprob(h, w[rank * rows : (rank + 1) * rows], bad, 1.0, -100, True, 0, group, world, rank)
+
+
 def scenario_two(rank, world):
-    """2 ranks: Llama with every pass, with the fused lm_head off, with the tiled MLP off; Qwen2 (q/k/v biases)."""
+    """2 ranks: the vocab-parallel op; Llama with every pass and each pass off; Qwen2 (q/k/v biases); HF's own
+    loss; sequence parallel; tied embeddings; checkpointing; a packed gate_up; dynamic shapes."""
+    check_vocab_parallel_op(rank, world)
     check_plain(rank, world, "llama", {})
     for off in ("fused_linear_ce", "tiled_mlp", "attention"):  # each pass off in turn (one layer: faster)
         check_plain(rank, world, "llama", {off: 0}, layers=1)

@@ -257,17 +257,28 @@ _lib.impl("fused_linear_logprob", _fused_linear_logprob, "CompositeImplicitAutog
 # ------------------------------------------------------------------------------------- vocabulary parallel
 
 
+def _local_labels(labels: torch.Tensor, lo: int, v_local: int, ignore_index: int) -> torch.Tensor:
+    """Global labels -> this shard's columns; a row whose label is on another rank gets ``v_local`` (active, but
+    matching no local column); ignored rows keep ignore_index (negative, so never a column)."""
+    labels = labels.long()
+    active = labels != ignore_index
+    inside = active & (labels >= lo) & (labels < lo + v_local)
+    return torch.where(inside, labels - lo, torch.where(active, v_local, ignore_index))
+
+
 @torch.library.custom_op("tilecompile::_fused_linear_logprob_local_stats", mutates_args=())
 def _fused_linear_logprob_local_stats(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int,
-    vocab_chunk: int = -1,
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lo: int, vocab: int, temperature: float,
+    ignore_index: int, vocab_chunk: int = -1,
 ) -> torch.Tensor:  # fmt: skip
-    """Softmax statistics of this rank's vocabulary shard, fp32, labels' shape + [4]: (m, log Σe, Σe·(z − m)/Σe,
-    z_y − m), with m the shard's row max and Σe = Σ_j e^(z_j − m) over the shard; z_y − m is 0 where the row's
-    label is not in the shard. ``labels`` are local (``weight``'s rows); a label out of [0, V_local) that is not
-    ignore_index is a row whose target lives on another rank."""
+    """Softmax statistics of this rank's vocabulary shard (rows [lo, lo + V_local) of a [vocab, D] lm_head), fp32,
+    labels' shape + [4]: (m, log Σe, Σe·(z − m)/Σe, z_y − m), with m the shard's row max and Σe = Σ_j e^(z_j − m)
+    over the shard; z_y − m is 0 where the row's label is not in the shard. ``labels`` are global; on CPU one
+    outside [0, vocab) that is not ignore_index is a ValueError (as for ``fused_linear_logprob``)."""
     _check_static(h, weight, labels, temperature)
-    h2, labels1 = _flat(h, labels)
+    if not h.is_cuda:
+        _check_labels(labels, vocab, ignore_index)
+    h2, labels1 = _flat(h, _local_labels(labels, lo, weight.shape[0], ignore_index))
     logp, ent, stats = K.fused_linear_logprob_fwd(
         h2, weight, labels1, 1.0 / float(temperature), ignore_index, True, chunk=_vocab_chunk(vocab_chunk)
     )
@@ -278,7 +289,7 @@ def _fused_linear_logprob_local_stats(
 
 
 @_fused_linear_logprob_local_stats.register_fake
-def _(h, weight, labels, temperature, ignore_index, vocab_chunk=-1):
+def _(h, weight, labels, lo, vocab, temperature, ignore_index, vocab_chunk=-1):
     _check_static(h, weight, labels, temperature)
     return labels.new_empty((*labels.shape, 4), dtype=torch.float32)
 
@@ -296,13 +307,12 @@ class _VocabParallelLogprob(torch.autograd.Function):
             raise ValueError(f"vocab-parallel log-prob needs a negative ignore_index, got {ignore_index}")
         v_local = weight.shape[0]
         lo = rank * v_local
-        active = labels != ignore_index
-        inside = active & (labels >= lo) & (labels < lo + v_local)
-        # a row whose label is on another rank: active, but its label matches no local column
-        local = torch.where(inside, labels - lo, torch.where(active, v_local, ignore_index))
         st = torch.ops.tilecompile._fused_linear_logprob_local_stats(
-            h, weight, local, float(temperature), int(ignore_index), int(vocab_chunk)
+            h, weight, labels, lo, v_local * world, float(temperature), int(ignore_index), int(vocab_chunk)
         )
+        local = _local_labels(labels, lo, v_local, ignore_index)  # what the backward op reads
+        active = labels != ignore_index
+        inside = (local >= 0) & (local < v_local)
         m, log_s, aos, zym = st.unbind(-1)
         big = C.all_reduce(m, "max", group)
         shift = m - big
