@@ -16,15 +16,22 @@ row-parallel linear's Partial output is reduced where it is made, so Partial nev
 | SP: Partial -> Shard(seq)            | reduce_scatter | all_gather      | reduce_scatter_seq  |
 
 An op the propagation rules do not know (or one that mixes the sharded dim, such as a sum over it) gets its
-sharded inputs all-gathered first (``gather_from_tp``): correct, slower, and reported. A vocab_colwise lm_head's
-logits are gathered right after the linear; ``passes/fused_linear_ce.py`` (next in the pipeline) turns a
-gathered lm_head followed by log-prob/entropy into the vocab-parallel fused op and drops the gather. A tied input
-embedding of a vocab-parallel lm_head looks up its local rows (others masked to 0) and all-reduces.
+sharded inputs all-gathered first (``gather_from_tp``): correct, slower, and reported. A vocab_colwise lm_head
+calls ``tilecompile::vocab_parallel_linear`` (so the code after it traces with the whole vocabulary); it becomes
+copy_to_tp -> local linear -> gather of the logits, and ``passes/fused_linear_ce.py`` (later in the pipeline) turns
+that gather followed by log-prob/entropy/CE into the vocab-parallel fused op. A tied input embedding of a
+vocab-parallel lm_head looks up its local rows (others masked to 0) and all-reduces.
+Sequence parallel: a replicated embedding's output is sliced along the sequence (gradient all-gathered), so the
+residual stream is Shard(seq); a value that needs grad and is broadcast over the sequence into it (an RMSNorm
+weight) has its gradient all-reduced, since each rank's tokens give only part of it. Gathers and slices change
+shapes Dynamo recorded; the example values after them are recomputed, so the next passes read true shapes.
 
 The pass lowers the root graph and, through their call sites, the bodies of higher-order ops (activation
 checkpointing), whose inputs' placements come from the caller. It must not be skipped on a graph with sharded
 parameters (the graph would compute with shards and no collectives), so its failures raise ``TensorParallelError``
-even outside strict mode.
+even outside strict mode, and the pipeline calls ``check_off`` when it is switched off.
+Not handled (an error, never a silent wrong graph): a packed value used whole, sequence parallel under dynamic
+shapes, a checkpoint body called from two sites.
 """
 
 from __future__ import annotations
@@ -110,7 +117,8 @@ class _Lowering:
         self.gathered: dict[fx.Node, fx.Node] = {}
         self.copied: dict[fx.Node, fx.Node] = {}
         self.sp = any(s.sequence_parallel for s in specs.values())
-        self.body_outputs: list[Any] = []
+        self.root: fx.GraphModule = gm  # the graph Dynamo handed over; a body's lowering gets its caller's
+        self.body_outputs: list[Any] = []  # a body's output placements, for its call site
 
     # --- graph editing
     def insert(self, fn, x: fx.Node, *args, before: fx.Node | None = None, after: fx.Node | None = None,
@@ -218,8 +226,6 @@ class _Lowering:
         for o in _flat(outs):
             if isinstance(o, fx.Node) and isinstance(self.place.get(o), Shard):
                 self.replace_arg(node, o, self.to_replicate(o, node, "returned from the graph"))
-
-    root: fx.GraphModule | None = None
 
     # --- linears
     def colwise_input(self, node: fx.Node, x: fx.Node, spec: P.ShardSpec) -> fx.Node:
@@ -848,7 +854,6 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     records = _Records()
     placements = {n: _param_placement(s, len(G.shape(n) or ())) for n, s in specs.items()}
     low = _Lowering(gm, group, placements, specs, records)
-    low.root = gm
     try:
         low.run()
         low.finish()

@@ -408,10 +408,47 @@ def check_vocab_parallel_op(rank, world):
         vocab_parallel_logprob(h, w[rank * rows : (rank + 1) * rows], bad, 1.0, -100, True, 0, group, world, rank)
 
 
+class _SoftmaxMix(torch.nn.Module):
+    """A softmax over the features a colwise linear shards: no local rule, so the pass all-gathers them first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.softmax(self.up(x), dim=-1)).square().mean()
+
+
+def check_fallback(rank, world):
+    from helpers import assert_close, compile_options
+
+    torch.manual_seed(0)
+    model = _SoftmaxMix()
+    full = copy.deepcopy(model)
+    x = torch.randn(3, 5, 16)
+    expected = full(x)
+    expected.backward()
+    tilecompile.parallelize(model, {"up": "colwise", "down": "rowwise"})
+    torch._dynamo.reset()
+    tilecompile.reset()
+    with GraphCapture() as cap:
+        loss = torch.compile(model, backend="tilecompile", options=compile_options())(x)
+        loss.backward()
+    assert_close(loss, expected, rtol=RTOL, atol=ATOL, name="loss")
+    check_grads(model, full, rank, world)
+    # forward: the gather before the softmax, the rowwise all-reduce; backward: the all-gather of the down input's
+    # gradient (its input was replicated, so it was sliced for the rowwise); x needs no grad, so no all-reduce
+    assert cap.counts() == (Counter({"all_gather": 1, "all_reduce:sum": 1}), Counter({"all_gather": 1}))
+    (region,) = [r.detail for r in tilecompile.report().rewrites if r.pass_name == "tensor_parallel"]
+    assert "softmax along the sharded dim" in region, region
+
+
 def scenario_two(rank, world):
     """2 ranks: the vocab-parallel op; Llama with every pass and each pass off; Qwen2 (q/k/v biases); HF's own
     loss; sequence parallel; tied embeddings; checkpointing; a packed gate_up; dynamic shapes."""
     check_vocab_parallel_op(rank, world)
+    check_fallback(rank, world)
     check_plain(rank, world, "llama", {})
     for off in ("fused_linear_ce", "tiled_mlp", "attention"):  # each pass off in turn (one layer: faster)
         check_plain(rank, world, "llama", {off: 0}, layers=1)
