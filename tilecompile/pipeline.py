@@ -57,7 +57,19 @@ def load_pass(name: str):
     return importlib.import_module(f"tilecompile.passes.{name}")
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str = "graph") -> fx.GraphModule:
+    # The passes fake-run new nodes on tensors that may require grad. A user's saved-tensors hooks (activation
+    # offloading: verl, torchtune) would then pack fake tensors at compile time and fail on their data pointers;
+    # they belong to run time. A pair of no-op hooks on top of the stack keeps them out while the passes run.
+    with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+        return _run_passes(gm, settings, graph_name)
+
+
+def _run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str) -> fx.GraphModule:
     for name in PASS_ORDER:
         if not settings.pass_enabled(name):
             log.debug("pass %s is off", name)

@@ -1,0 +1,79 @@
+"""Saved-tensors hooks (activation offloading, as verl and torchtune build it) act at run time only.
+
+The passes fake-run the nodes they insert; a user's pack hook must not see those fake tensors (it would fail on
+their data pointers, and the pass would be undone). At run time the hooks see what the rewritten graph saves: less
+than the unrewritten graph, which is the memory saving the passes exist for.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_close, assert_grads_close, compile_options
+
+import tilecompile
+
+transformers = pytest.importorskip("transformers")
+
+
+class Offload:
+    """Pack hook that moves every saved tensor to a CPU copy (reading its storage pointer, as dedup code does)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor):
+        t.untyped_storage().data_ptr()
+        self.bytes += t.numel() * t.element_size()
+        return t.device, t.to("cpu", copy=True)
+
+    def unpack(self, packed):
+        device, t = packed
+        return t.to(device)
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _model():
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=97, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    cfg = transformers.LlamaConfig(**sizes, num_key_value_heads=2, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _step(model, ids):
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return -logp.mean()
+
+
+def test_offloading_hooks_see_only_run_time_tensors_and_the_step_is_fully_rewritten():
+    model = _model()
+    reference = copy.deepcopy(model)
+    baseline = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 64))
+    ours, plain = Offload(), Offload()
+    compiled = torch.compile(_step, backend="tilecompile", options=compile_options())
+    with ours.hooks():
+        loss = compiled(model, ids)
+    loss.backward()
+    counts = tilecompile.report().counts
+    assert not tilecompile.report().failures, tilecompile.report().failures
+    assert (counts["attention"], counts["fused_linear_ce"], counts["tiled_mlp"]) == (2, 1, 2), counts
+
+    expected = _step(reference, ids)
+    expected.backward()
+    assert_close(loss, expected, rtol=1e-6, atol=1e-6, name="loss")
+    assert_grads_close(model, reference, rtol=1e-5, atol=1e-7)
+
+    torch._dynamo.reset()
+    off = compile_options(attention=False, fused_linear_ce=False, tiled_mlp=False)
+    with plain.hooks():
+        torch.compile(_step, backend="tilecompile", options=off)(baseline, ids).backward()
+    # the unrewritten graph saves the [N, V] logits' softmax and each MLP's [N, I] intermediates
+    n, vocab, inter = ids.numel() - ids.shape[0], 97, 96
+    assert ours.bytes > 0
+    assert plain.bytes - ours.bytes >= 4 * (n * vocab + 2 * ids.numel() * inter), (plain.bytes, ours.bytes)
