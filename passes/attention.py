@@ -104,6 +104,8 @@ def check_uses(gm: fx.GraphModule, mask: fx.Node) -> str | None:
                 return f"{user.name}: {reason}"
             continue
         body = _body(gm, user)
+        if body is not None and len(user.args[0].users) > 1:
+            return f"the body {user.args[0].target} of {user.name} is shared by several calls"
         if body is not None and mask not in user.kwargs.values():
             for i, a in enumerate(user.args[1:]):
                 if a is mask:

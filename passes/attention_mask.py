@@ -484,8 +484,8 @@ class Interpreter:
             raise NotIndexArithmetic(f"{node.name}: batch index is not the batch index")
         t_axis, t_off = tok.terms[0][0].axis, tok.const
         b_axis = None if bat is None or bat.is_const else bat.terms[0][0].axis
-        if bat is not None and bat.is_const and bat.const != 0:
-            raise NotIndexArithmetic(f"{node.name}: a fixed batch row other than 0")
+        if bat is not None and bat.is_const and (bat.const != 0 or G.hint(G.shape(src)[0]) != 1):
+            raise NotIndexArithmetic(f"{node.name}: one fixed row of {src.name} for every batch row")
         v = self.value(src)
 
         def move(b):
