@@ -22,8 +22,9 @@ copy_to_tp -> local linear -> gather of the logits, and ``passes/fused_linear_ce
 that gather followed by log-prob/entropy/CE into the vocab-parallel fused op. A tied input embedding of a
 vocab-parallel lm_head looks up its local rows (others masked to 0) and all-reduces.
 Sequence parallel: a replicated embedding's output is sliced along the sequence (gradient all-gathered), so the
-residual stream is Shard(seq); a value that needs grad and is broadcast over the sequence into it (an RMSNorm
-weight) has its gradient all-reduced, since each rank's tokens give only part of it. Gathers and slices change
+residual stream is Shard(seq). A value that needs grad and is broadcast along a sharded dim (an RMSNorm weight
+over the sequence-sharded stream, Qwen3's q_norm over sharded heads) has its gradient all-reduced, since each
+rank's shard gives only part of it. Gathers and slices change
 shapes Dynamo recorded; the example values after them are recomputed, so the next passes read true shapes.
 
 The pass lowers the root graph and, through their call sites, the bodies of higher-order ops (activation
@@ -172,14 +173,14 @@ class _Lowering:
         return node
 
     def sum_grad(self, x: fx.Node, consumer: fx.Node) -> fx.Node:
-        """``x`` for a sequence-sharded consumer: identity forward, gradient all-reduced (copy_to_tp)."""
+        """``x`` broadcast into a sharded consumer: identity forward, gradient all-reduced (copy_to_tp)."""
         key = ("grad", x)
         if key not in self.copied:
             node = self.insert(C.copy_to_tp, x, *self.g(), before=consumer)
             self.place[node] = None
             self.copied[key] = node
             reg = self.records._region(consumer, own=True)
-            reg["bwd"].append("all_reduce(weight grad: each rank's tokens give part of it)")
+            reg["bwd"].append("all_reduce(weight grad: each rank's shard gives part of it)")
         return self.copied[key]
 
     def replace_arg(self, node: fx.Node, old: fx.Node, new: fx.Node) -> None:
@@ -582,9 +583,9 @@ def _elementwise(node: fx.Node, name: str, ins: dict[fx.Node, Shard], low: _Lowe
         shape = G.shape(a)
         d = out.dim - (out_nd - len(shape))
         if d < 0 or G.hint(shape[d]) == 1:  # broadcast along the sharded dim
-            value = G.example_value(a)
-            if out.seq and value.requires_grad:
-                # SP: this rank's tokens give a norm weight (or any broadcast value) only part of its gradient
+            if G.example_value(a).requires_grad:
+                # its gradient sums over the sharded dim, of which this rank holds a part: an RMSNorm weight over
+                # the sequence-sharded residual stream (SP), Qwen3's q_norm / k_norm weights over sharded heads
                 node.replace_input_with(a, low.sum_grad(a, node))
             continue
         if out.seq:  # SP: a replicated operand (the residual stream before the first layer) is sliced

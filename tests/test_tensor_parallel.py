@@ -44,6 +44,7 @@ def tiny(arch: str, layers: int = 2, tied: bool = False) -> torch.nn.Module:
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),  # q_norm / k_norm over the heads
     }[arch]
     cfg = cfg_cls(
         hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers, num_attention_heads=HEADS,
@@ -233,11 +234,12 @@ def run_tp(rank, world, arch, options, tied=False, sp=False, plan=PLAN, loss_fn=
     return cap.counts(), tilecompile.report()
 
 
-def expected_counts(layers: int, fused: bool, tied: bool = False) -> tuple[Counter, Counter]:
+def expected_counts(layers: int, fused: bool, tied: bool = False, qk_norm: bool = False) -> tuple[Counter, Counter]:
     """Plain TP: per attention block and per MLP one all_reduce forward (rowwise) and one backward (the colwise
-    input); the lm_head's input one backward; its statistics (fused: max then sum) or its gathered logits."""
+    input); the lm_head's input one backward; its statistics (fused: max then sum) or its gathered logits.
+    Qwen3: the grads of q_norm and k_norm (replicated weights over sharded heads) are all-reduced backward."""
     fw = Counter({"all_reduce:sum": 2 * layers})
-    bw = Counter({"all_reduce:sum": 2 * layers + 1})
+    bw = Counter({"all_reduce:sum": 2 * layers + 1 + (2 * layers if qk_norm else 0)})
     if fused:
         fw += Counter({"all_reduce:max": 1, "all_reduce:sum": 1})
     else:
@@ -263,7 +265,7 @@ def check_plain(rank, world, arch, options, loss_fn=ppo_loss, layers=2):
     assert rep.counts["fused_linear_ce"] == (1 if fused else 0), rep
 
 
-def expected_sp_counts(layers: int, fused: bool) -> tuple[Counter, Counter]:
+def expected_sp_counts(layers: int, fused: bool, tied: bool = False, qk_norm: bool = False) -> tuple[Counter, Counter]:
     """Sequence parallel: each block's colwise input is all-gathered along the sequence (reduce-scattered
     backward) and its rowwise output reduce-scattered (all-gathered backward); the embedding's output is sliced
     (all-gathered backward); the lm_head's input is all-gathered. All-reduces: the lm_head statistics forward,
@@ -272,22 +274,28 @@ def expected_sp_counts(layers: int, fused: bool) -> tuple[Counter, Counter]:
     fw = Counter({"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers})
     bw = Counter({"reduce_scatter": 2 * layers + 1, "all_gather": 2 * layers + 1, "all_reduce:sum": 2 * layers + 1})
     fw += Counter({"all_reduce:max": 1, "all_reduce:sum": 1}) if fused else Counter({"all_gather": 1})
+    if tied:  # the vocab-parallel lookup is reduce-scattered into the sequence shards (instead of being sliced:
+        fw += Counter({"reduce_scatter": 1})  # its backward all-gather replaces the slice's)
+    if qk_norm:
+        bw += Counter({"all_reduce:sum": 2 * layers})
     return fw, bw
 
 
-def check_sp(rank, world, arch, options, loss_fn=ppo_loss, layers=2):
-    (fw, bw), rep = run_tp(rank, world, arch, options, sp=True, loss_fn=loss_fn, layers=layers)
+def check_sp(rank, world, arch, options, loss_fn=ppo_loss, layers=2, tied=False):
+    (fw, bw), rep = run_tp(rank, world, arch, options, sp=True, loss_fn=loss_fn, layers=layers, tied=tied)
     fused = options.get("fused_linear_ce", 1) == 1
-    assert (fw, bw) == expected_sp_counts(layers, fused), f"SP {arch} {options}: fw {dict(fw)} bw {dict(bw)}\n{rep}"
+    want = expected_sp_counts(layers, fused, tied, qk_norm=arch == "qwen3")
+    assert (fw, bw) == want, f"SP {arch} {options}: fw {dict(fw)} bw {dict(bw)}\n{rep}"
     regions = {r.module_path: r.detail for r in rep.rewrites if r.pass_name == "tensor_parallel"}
     assert "forward: all_gather(gate_proj), reduce_scatter(down_proj)" in regions["model.layers.0.mlp"], regions
     assert rep.counts["fused_linear_ce"] == (1 if fused else 0), rep
 
 
 def check_tied(rank, world):
-    """Qwen2 with tied embeddings: the input embedding looks up its vocabulary rows and all-reduces (forward)."""
-    (fw, bw), rep = run_tp(rank, world, "qwen2", {}, tied=True, layers=1)
-    assert (fw, bw) == expected_counts(1, fused=True, tied=True), (fw, bw)
+    """Qwen3 with tied embeddings: the input embedding looks up its vocabulary rows and all-reduces (forward);
+    q_norm / k_norm weights act on sharded heads, so their grads are all-reduced."""
+    (fw, bw), rep = run_tp(rank, world, "qwen3", {}, tied=True, layers=1)
+    assert (fw, bw) == expected_counts(1, fused=True, tied=True, qk_norm=True), (fw, bw)
     regions = {r.module_path: r.detail for r in rep.rewrites if r.pass_name == "tensor_parallel"}
     assert "embed_tokens:vocab_embedding; forward: all_reduce(embed_tokens)" in regions["model.embed_tokens"], regions
 
@@ -498,7 +506,7 @@ def scenario_four(rank, world):
     check_tp_dp(rank, world)
     scenario_errors(rank, world)
     check_plain(rank, world, "llama", {}, layers=1)
-    check_sp(rank, world, "qwen2", {}, layers=1)
+    check_sp(rank, world, "qwen3", {}, layers=1, tied=True)
 
 
 def scenario_errors(rank, world):
