@@ -75,7 +75,7 @@ def test_options_reach_the_passes_through_torch_compile(monkeypatch):
     monkeypatch.setattr(pipeline, "load_pass", lambda name: seen.append(name) or _NoopPass)
     f = torch.compile(Tiny(), backend="tilecompile", options=compile_options(fused_linear_ce=False))
     f(torch.randn(2, 8))
-    assert seen == ["tensor_parallel", "tiled_mlp"]
+    assert seen == ["tensor_parallel", "attention", "tiled_mlp"]
 
 
 class _NoopPass:
@@ -186,7 +186,7 @@ def test_report_contents_and_reset(monkeypatch):
     f = torch.compile(Tiny(), backend="tilecompile", options=compile_options())
     f(torch.randn(3, 8))
     rep = tilecompile.report()
-    assert rep.counts == {"tensor_parallel": 0, "fused_linear_ce": 1, "tiled_mlp": 0}
+    assert rep.counts == {"tensor_parallel": 0, "attention": 0, "fused_linear_ce": 1, "tiled_mlp": 0}
     assert rep.rewrites[0].module_path == "lm_head" and rep.rewrites[0].shapes == {"h": (4, 8)}
     assert rep.skipped[0].reason == "logits are returned from the graph"
     text = str(rep)
