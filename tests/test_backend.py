@@ -193,7 +193,7 @@ def test_report_contents_and_reset(monkeypatch):
     assert "fused_linear_ce=1" in text and "lm_head" in text and "logits are returned from the graph" in text
     tilecompile.reset()
     rep2 = tilecompile.report()
-    assert rep2.counts == {"tensor_parallel": 0, "fused_linear_ce": 0, "tiled_mlp": 0}
+    assert rep2.counts == {"tensor_parallel": 0, "attention": 0, "fused_linear_ce": 0, "tiled_mlp": 0}
     assert rep2.rewrites == [] and rep2.skipped == [] and rep2.graphs == 0
     assert rep.counts["fused_linear_ce"] == 1  # an earlier snapshot is not changed by reset()
 
