@@ -1,7 +1,7 @@
 """Tensor parallel: ``tilecompile.parallelize`` + ``passes/tensor_parallel.py`` on gloo (CPU), 2 and 4 processes.
 
-Each spawned rank builds the same tiny HF model, runs the unsharded model eagerly for the reference, then shards a
-copy, compiles a PPO-style log-prob + entropy loss through the backend and checks: the loss equals the reference,
+Each spawned rank builds the same tiny HF model, runs an unsharded copy eagerly for the reference, then shards the
+model, compiles a PPO-style log-prob + entropy loss through the backend and checks: the loss equals the reference,
 every gradient equals the reference's (sharded ones against the matching slice), and the compiled forward and
 backward graphs hold exactly the expected functional collectives. Several configurations run inside one spawn
 (process start and imports cost more than a tiny compile).
@@ -130,16 +130,11 @@ class GraphCapture:
         self._saved = backend._inner_compile
 
         def inner(gm, example_inputs, inner, mode, options):
-            if os.environ.get("TP_DUMP") and dist.get_rank() == 0:
-                open(os.environ["TP_DUMP"], "w").write(gm.print_readable(print_output=False))
             from functorch.compile import make_boxed_func
             from torch._functorch.aot_autograd import aot_module_simplified
 
             def keep(into):
                 def compiler(g, _inputs):
-                    if os.environ.get("TP_DUMP") and dist.get_rank() == 0:
-                        with open(os.environ["TP_DUMP"] + f".{len(into)}{'fw' if into is self.fw else 'bw'}", "w") as f:
-                            f.write(g.print_readable(print_output=False))
                     into.append(g)
                     return make_boxed_func(g.forward)
 
@@ -183,7 +178,7 @@ def _entry(rank: int, world: int, port: int, scenario: str, args: tuple) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        (globals().get(scenario) or getattr(sys.modules[__name__], scenario))(rank, world, *args)
+        globals()[scenario](rank, world, *args)
     finally:
         dist.destroy_process_group()
 
