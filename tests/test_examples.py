@@ -1,4 +1,4 @@
-"""The quickstart runs on CPU as a new user would run it, and its rewrites happen."""
+"""The examples run on CPU as a new user would run them, their rewrites happen, and their losses equal eager's."""
 
 from __future__ import annotations
 
@@ -12,14 +12,52 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_quickstart_runs_on_cpu():
+def run_example(name: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILECOMPILE_")}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True, env=env, timeout=900
-    )
+    cmd = [sys.executable, str(ROOT / "examples" / name), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_quickstart_runs_on_cpu():
+    out = run_example("quickstart.py")
     assert "fused_linear_ce=1  tiled_mlp=2" in out.stdout, out.stdout
     worst = float(out.stdout.split("largest grad difference")[1].split()[0])
     assert worst < 1e-5, out.stdout
+
+
+def counts(stdout: str) -> dict[str, int]:
+    """The report's counts line (``tensor_parallel=0  attention=4 ...``) as a dict."""
+    line = next(x for x in stdout.splitlines() if x.strip().startswith("tensor_parallel="))
+    return {k: int(v) for k, v in (item.split("=") for item in line.split())}
+
+
+def assert_matches_eager(stdout: str) -> None:
+    """``loss A (eager B), largest grad difference C``: A equals B to the printed digits, C is small."""
+    line = next(x for x in stdout.splitlines() if x.startswith("loss ") and "(eager" in x)
+    loss, eager = float(line.split()[1]), float(line.split("(eager")[1].split(")")[0])
+    assert abs(loss - eager) <= 2e-6, line
+    assert float(line.split("largest grad difference")[1].split()[0]) < 1e-5, line
+
+
+@pytest.mark.parametrize("packed", ["0", "4"])
+def test_grpo_step_runs_on_cpu(packed):
+    """Compiled twice (no-grad old log-probs, then the loss): 2 layers' attention and MLPs, one lm_head each."""
+    out = run_example("grpo_step.py", "--inner", "aot_eager", "--packed", packed)
+    assert counts(out.stdout) == dict(tensor_parallel=0, attention=4, fused_linear_ce=2, tiled_mlp=4), out.stdout
+    assert ("masked_attention" if packed != "0" else "is_causal=True") in out.stdout, out.stdout
+    assert "log-prob, entropy" in out.stdout, out.stdout
+    assert_matches_eager(out.stdout)
+    assert "peak memory" in out.stdout
+
+
+def test_sft_long_context_runs_on_cpu():
+    """HF's own cross-entropy (labels=) is fused; the packed documents' mask becomes masked attention."""
+    out = run_example("sft_long_context.py", "--inner", "aot_eager")
+    assert counts(out.stdout) == dict(tensor_parallel=0, attention=2, fused_linear_ce=1, tiled_mlp=2), out.stdout
+    assert "masked_attention" in out.stdout and "cross_entropy mean" in out.stdout, out.stdout
+    assert_matches_eager(out.stdout)
+    assert "peak memory" in out.stdout
