@@ -19,6 +19,7 @@ and key lengths; dropout is 0 and ``is_causal`` False; GQA only with ``enable_gq
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -180,7 +181,7 @@ def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: 
         args = (q, k, v, tokens.get("pos"), tokens.get("doc"), tokens.get("valid"), spec.lo, spec.hi, float(scale))
         with graph.inserting_before(node):
             call = graph.call_function(torch.ops.tilecompile.masked_attention.default, args)
-            result = graph.call_function(__import__("operator").getitem, (call, 0))
+            result = graph.call_function(operator.getitem, (call, 0))
         ev = G.example_value(node)
         lse_dtype = torch.float64 if ev.dtype == torch.float64 else torch.float32
         expect(call, (ev, ev.new_empty(ev.shape[:-1], dtype=lse_dtype)))
@@ -215,7 +216,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for mask, direct in masks.items():
         if mask.op == "placeholder":
             continue  # a body's mask comes from its parent graph, which reads it there
-        seq = _seq_len(gm, mask, direct)
+        seq = (G.shape(mask) or (None,))[-1]  # checked against q and k at each use
         candidate = f"mask {mask.name}"
         path = G.module_path(direct[0]) if direct else ""
         try:
@@ -257,9 +258,3 @@ def _reaches_sdpa_mask(body: fx.GraphModule, ph: fx.Node) -> bool:
             if any(a is ph and _reaches_sdpa_mask(inner, phs[i]) for i, a in enumerate(user.args[1:])):
                 return True
     return False
-
-
-def _seq_len(gm: fx.GraphModule, mask: fx.Node, direct: list[fx.Node]) -> Any:
-    """The sequence length the mask is read against: the mask's last dim (checked against q and k per use)."""
-    shp = G.shape(mask)
-    return shp[-1] if shp else None
