@@ -120,6 +120,9 @@ class _Lowering:
         self.sp = any(s.sequence_parallel for s in specs.values())
         self.root: fx.GraphModule = gm  # the graph Dynamo handed over; a body's lowering gets its caller's
         self.body_outputs: list[Any] = []  # a body's output placements, for its call site
+        self.body_values: dict[fx.Node, Any] = {}  # higher-order call -> its outputs' refreshed example values
+        self.dirty: set[fx.Node] = set()  # nodes whose example value changed shape
+        self.fresh: set[fx.Node] = set()  # nodes ``finish`` has been over
 
     # --- graph editing
     def insert(self, fn, x: fx.Node, *args, before: fx.Node | None = None, after: fx.Node | None = None,
@@ -400,15 +403,33 @@ class _Lowering:
                 inputs[h] = self.place.get(a)
                 if self.param(a) is not None:
                     specs[h] = self.specs[self.param(a)]
-        if getattr(body, _DONE, None) is not None:
-            raise TensorParallelError(f"{node.name}: the body {bodies[0].target} is called from two sites")
+        # the same body may serve several call sites (identical layers): lowered once, for one set of placements
+        signature = (
+            tuple(inputs.get(h) for h in holders),
+            tuple((s.style, s.dim, s.parts) if (s := specs.get(h)) else None for h in holders),
+        )
+        done = getattr(body, _DONE, None)
+        if isinstance(done, tuple):
+            if done[0] != signature:
+                raise TensorParallelError(
+                    f"{node.name}: the body {bodies[0].target} is called from two sites with different placements"
+                )
+            self.place[node], self.body_values[node] = done[1], done[2]
+            return
+        self.finish(until=node)  # the caller's values reaching the body have their true shapes now
         sub = _Lowering(body, self.group, inputs, specs, self.records)
         sub.root = self.root
         sub.sp = self.sp
+        for h, a in zip(holders, args):
+            if isinstance(a, fx.Node) and _shapes(G.example_value(a)) != _shapes(G.example_value(h)):
+                h.meta["example_value"] = G.example_value(a)
+                sub.dirty.add(h)
         outs = sub.run()
         sub.finish()
-        setattr(body, _DONE, True)
-        self.place[node] = outs
+        (out_node,) = [n for n in body.graph.nodes if n.op == "output"]
+        values = tuple(G.example_value(o) if isinstance(o, fx.Node) else o for o in _flat(out_node.args[0]))
+        setattr(body, _DONE, (signature, outs, values))
+        self.place[node], self.body_values[node] = outs, values
 
     # --- every other op
     def generic(self, node: fx.Node) -> None:
@@ -440,35 +461,46 @@ class _Lowering:
                 raise TensorParallelError(f"in-place {node.name} would change the placement of {node.args[0].name}")
         self.place[node] = out
 
-    def finish(self) -> None:
+    def finish(self, until: fx.Node | None = None) -> None:
         """Gathers, scatters and sequence shards change shapes that Dynamo recorded for local values: refresh the
-        example values downstream of them, in graph order, so that the next passes read true shapes."""
-        dirty: set[fx.Node] = set()
+        example values downstream of them, in graph order (up to ``until``, exclusive), so that the next passes
+        (and checkpoint bodies, whose inputs take their callers' shapes) read true shapes."""
         for node in self.graph.nodes:
+            if node is until:
+                return
+            if node in self.fresh:
+                continue
+            self.fresh.add(node)
             if node.op == "call_function" and node.target in C.ALL:
                 node.meta["example_value"] = self._fake(node.target, node.args[0], node.args[1:])
                 if node.target not in C.IDENTITIES:
-                    dirty.add(node)
+                    self.dirty.add(node)
                 continue
-            if node.op not in ("call_function", "call_method") or not any(a in dirty for a in node.all_input_nodes):
+            if node.op not in ("call_function", "call_method") or not any(
+                a in self.dirty for a in node.all_input_nodes
+            ):
                 continue
-            if isinstance(node.target, torch._ops.HigherOrderOperator):
-                raise TensorParallelError(f"{node.name}: values of changed shape enter {node.target}")
             old = G.example_value(node)
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), G.example_value)
-            mode = _fake_mode(old) or _fake_mode(args) or contextlib.nullcontext()
-            try:
-                with mode:
-                    new = (
-                        getattr(args[0], node.target)(*args[1:], **kwargs)
-                        if node.op == "call_method"
-                        else node.target(*args, **kwargs)
-                    )
-            except Exception as exc:  # noqa: BLE001 - say which node, not a fake-tensor trace
-                raise TensorParallelError(f"{node.name} does not run on the redistributed values ({exc})") from exc
+            if isinstance(node.target, torch._ops.HigherOrderOperator):
+                new = self.body_values.get(node)
+                if new is None:
+                    raise TensorParallelError(f"{node.name}: values of changed shape enter {node.target}")
+            else:
+                new = self._run_fake(node, old)
             node.meta["example_value"] = new
             if _shapes(new) != _shapes(old):
-                dirty.add(node)
+                self.dirty.add(node)
+
+    def _run_fake(self, node: fx.Node, old: Any) -> Any:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), G.example_value)
+        mode = _fake_mode(old) or _fake_mode(args) or contextlib.nullcontext()
+        try:
+            with mode:
+                if node.op == "call_method":
+                    return getattr(args[0], node.target)(*args[1:], **kwargs)
+                return node.target(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - say which node, not a fake-tensor trace
+            raise TensorParallelError(f"{node.name} does not run on the redistributed values ({exc})") from exc
 
 
 def _shapes(tree: Any) -> list:

@@ -295,9 +295,10 @@ def check_tied(rank, world):
     assert "embed_tokens:vocab_embedding; forward: all_reduce(embed_tokens)" in regions["model.embed_tokens"], regions
 
 
-def check_checkpointing(rank, world):
+def check_checkpointing(rank, world, sp=False):
     """Activation checkpointing: the collectives go into the checkpoint bodies; the recomputed forward repeats each
-    block's all-reduce in the backward (one more per block)."""
+    block's forward collectives in the backward (plain: one all-reduce per block; SP: its all-gather and its
+    reduce-scatter)."""
     from helpers import assert_close, compile_options
 
     data = batch()
@@ -306,7 +307,7 @@ def check_checkpointing(rank, world):
     full = copy.deepcopy(model)
     expected = ppo_loss(full, *data)
     expected.backward()
-    tilecompile.parallelize(model, PLAN)
+    tilecompile.parallelize(model, PLAN, sequence_parallel=sp)
     torch._dynamo.reset()
     tilecompile.reset()
     with GraphCapture() as cap:
@@ -314,9 +315,14 @@ def check_checkpointing(rank, world):
         loss.backward()
     assert_close(loss, expected, rtol=RTOL, atol=ATOL, name=f"rank {rank} loss")
     check_grads(model, full, rank, world)
-    fw, bw = expected_counts(1, fused=True)
-    assert cap.counts() == (fw, bw + Counter({"all_reduce:sum": 2})), cap.counts()
-    assert tilecompile.report().counts["tensor_parallel"] == 3
+    if sp:
+        fw, bw = expected_sp_counts(1, fused=True)
+        bw += Counter({"all_gather": 2, "reduce_scatter": 2})
+    else:
+        fw, bw = expected_counts(1, fused=True)
+        bw += Counter({"all_reduce:sum": 2})
+    assert cap.counts() == (fw, bw), cap.counts()
+    assert tilecompile.report().counts["tiled_mlp"] == 1, tilecompile.report()
 
 
 def check_packed(rank, world):
@@ -461,6 +467,7 @@ def scenario_two(rank, world):
     check_sp(rank, world, "qwen2", {"fused_linear_ce": 0, "tiled_mlp": 0}, layers=1)
     check_tied(rank, world)
     check_checkpointing(rank, world)
+    check_checkpointing(rank, world, sp=True)
     check_packed(rank, world)
     check_dynamic(rank, world)
 
