@@ -32,7 +32,7 @@ checkpointing), whose inputs' placements come from the caller. It must not be sk
 parameters (the graph would compute with shards and no collectives), so its failures raise ``TensorParallelError``
 even outside strict mode, and the pipeline calls ``check_off`` when it is switched off.
 Not handled (an error, never a silent wrong graph): a packed value used whole, sequence parallel under dynamic
-shapes, a checkpoint body called from two sites.
+shapes, a checkpoint body shared by call sites with different placements.
 """
 
 from __future__ import annotations
