@@ -1,0 +1,302 @@
+"""End to end: one GRPO-style training step of a whole HF model, per method, from 4k to 512k tokens.
+
+Models (random init from a config, bf16 on CUDA): ``1.5b`` is Qwen2.5-1.5B's shape (Qwen2: hidden 1536, intermediate
+8960, 28 layers, 12 heads, 2 kv heads, vocab 151936, tied embeddings); ``8b`` is Llama-3-8B's (Llama: 4096, 14336,
+32 layers, 32 heads, 8 kv heads, vocab 128256). Both keep every layer by default: bf16 weights and grads of the 8B
+take 32 GB of an H200's 141 GB; ``--layers N`` cuts every model to N layers, and the output says so.
+
+The step: per-token log-prob (log_softmax + gather) and entropy of the logits, PPO's clipped ratio against old
+log-probs times advantages, minus an entropy bonus; then backward (no optimizer step). Methods:
+  eager        the model and loss as written
+  inductor     torch.compile(step)
+  liger        eager on Liger's patched model (apply_liger_kernel_to_qwen2/llama: RMSNorm, RoPE, SwiGLU); its fused
+               linear CE gives no log-prob + entropy, so the loss is the same code on the logits (when installed)
+  tilecompile  torch.compile(step, backend="tilecompile")
+each with activation checkpointing on and off (``--checkpointing on,off``). Each (model, method, checkpointing)
+runs in its own process: Liger patches HF's classes globally, and an OOM or a crash stays in that process.
+
+Per length (doubling, ``--lengths``; one row of B=1): the first step's time (compilation included) and the graphs it
+compiled, then the median of ``--repeats`` steps: tokens/s and peak memory (``max_memory_allocated``, weights and
+grads included). A method stops at its first out-of-memory: its last length that ran is its longest sequence.
+Compiles: static by default, one per length (``torch._dynamo.reset()`` between lengths); ``--dynamic`` compiles
+once with dynamic=True and counts the recompiles (on torch 2.11 CUDA that crashed in the first backward with "shape
+'[N/16, 1536]' is invalid for input of size 1", issue #13). Inductor's caches are off unless ``--warm-cache``, so the
+first step's time is a cold compile. The CSV (``--csv``) carries the GPU name, torch/triton/transformers versions and
+the date; ``benchmarks/plot_e2e.py`` turns it into a PNG.
+
+usage: python benchmarks/e2e.py [--models 1.5b,8b] [--methods eager,inductor,liger,tilecompile]
+           [--checkpointing on,off] [--lengths 4096,...,524288] [--dynamic] [--packed K] [--csv PATH]
+       python benchmarks/e2e.py --tiny --device cpu --methods eager,tilecompile --inner aot_eager   (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+MODELS = {  # family, hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta
+    "1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 151936, True, 1e6),
+    "8b": ("llama", 4096, 14336, 32, 32, 8, 128256, False, 5e5),
+}
+TINY = (64, 176, 2, 4, 2, 1000)  # hidden, intermediate, layers, heads, kv heads, vocab for --tiny
+METHODS = ("eager", "inductor", "liger", "tilecompile")
+FIELDS = [
+    "model", "family", "tiny", "dtype", "layers", "full_layers", "method", "checkpointing", "dynamic", "packed",
+    "seq_len", "ok", "error", "tok_s", "step_s", "peak_gib", "first_step_s", "compile_s", "graphs", "compiles_total",
+    "rewrites", "loss", "device", "torch", "triton", "transformers", "liger", "date", "commit",
+]  # fmt: skip
+ROW = "ROW "  # a worker's result lines start with this
+
+
+def versions(device: torch.device) -> dict:
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch=torch.__version__,
+        triton=version("triton"), transformers=version("transformers"), liger=version("liger-kernel"),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit,
+    )  # fmt: skip
+
+
+def build(name: str, tiny: bool, layers: int, checkpointing: bool, liger: bool, device: torch.device):
+    import transformers
+
+    family, d, i, n, h, kv, v, tied, theta = MODELS[name]
+    if tiny:
+        d, i, n, h, kv, v = TINY
+    if liger:  # patches HF's classes before the model is built; the loss needs the logits, so no fused CE
+        import liger_kernel.transformers as lk
+
+        patch = lk.apply_liger_kernel_to_qwen2 if family == "qwen2" else lk.apply_liger_kernel_to_llama
+        patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    config_cls, model_cls = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[family]
+    cfg = config_cls(
+        hidden_size=d, intermediate_size=i, num_hidden_layers=layers or n, num_attention_heads=h,
+        num_key_value_heads=kv, vocab_size=v, tie_word_embeddings=tied, rope_theta=theta,
+        max_position_embeddings=1 << 20, attn_implementation="sdpa",
+    )  # fmt: skip
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: the 8B in fp32 would take 32 GB just to be cast
+    try:
+        with torch.device(device):
+            model = model_cls(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    if checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+        enable({"use_reentrant": False})
+    return model.train(), n
+
+
+def grpo_step(model, ids, adv, old_logp, position_ids=None):
+    logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits[:, :-1].float()
+    logp = F.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+    ratio = torch.exp(logp - old_logp)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    return pg.mean() - 1e-3 * entropy.mean()
+
+
+def inputs(n: int, vocab: int, packed: int, device: torch.device) -> tuple:
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, vocab, (1, n), generator=g)
+    adv, old_logp = torch.randn(1, n - 1, generator=g), -5 * torch.rand(1, n - 1, generator=g)
+    pos = None
+    if packed:  # K equal documents; position_ids restart at 0 in each
+        doc = torch.clamp(torch.arange(n) // (n // packed), max=packed - 1)
+        pos = (torch.arange(n) - torch.searchsorted(doc, doc))[None]
+    return tuple(None if t is None else t.to(device) for t in (ids, adv, old_logp, pos))
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def worker(cfg: dict) -> None:
+    """One (model, method, checkpointing) over every length; prints one ``ROW {json}`` line per length."""
+    from torch._dynamo.utils import counters
+
+    import tilecompile
+
+    device = torch.device(cfg["device"])
+    cuda = device.type == "cuda"
+    torch._inductor.config.force_disable_caches = not cfg["warm_cache"]
+    warnings.filterwarnings("ignore", "dynamo_pgo force disabled")  # the caches being off is the point
+    method, dynamic = cfg["method"], cfg["dynamic"]
+    model, full = build(cfg["model"], cfg["tiny"], cfg["layers"], cfg["checkpointing"], method == "liger", device)
+    base = dict(model=cfg["model"], family=MODELS[cfg["model"]][0], tiny=int(cfg["tiny"]),
+                dtype=str(model.dtype).removeprefix("torch."), layers=model.config.num_hidden_layers,
+                full_layers=full, method=method, checkpointing=int(cfg["checkpointing"]), dynamic=int(dynamic),
+                packed=cfg["packed"], **versions(device))  # fmt: skip
+
+    def compiled():
+        step = lambda *a: grpo_step(model, *a)  # noqa: E731
+        if method == "inductor":
+            return torch.compile(step, dynamic=dynamic)
+        if method == "tilecompile":
+            options = {"inner": cfg["inner"], **({"mlp_min_tokens": 0} if cfg["tiny"] else {})}  # tile tiny MLPs too
+            return torch.compile(step, backend="tilecompile", dynamic=dynamic, options=options)
+        return step
+
+    def run(step, batch) -> tuple[float, float]:
+        for p in model.parameters():
+            p.grad = None
+        start = time.perf_counter()
+        loss = step(*batch)
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start, loss.item()
+
+    step, total = compiled(), 0
+    for n in cfg["lengths"]:
+        row = dict(base, seq_len=n)
+        if not dynamic and method in ("inductor", "tilecompile"):
+            torch._dynamo.reset()  # one compile per length, as a static-shape user gets it
+            step = compiled()
+        tilecompile.reset()
+        graphs_before = counters["stats"]["unique_graphs"]
+        try:
+            batch = inputs(n, model.config.vocab_size, cfg["packed"], device)
+            first, _ = run(step, batch)
+            graphs = counters["stats"]["unique_graphs"] - graphs_before
+            total += graphs
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            times, loss = [], 0.0
+            for _ in range(cfg["repeats"]):
+                seconds, loss = run(step, batch)
+                times.append(seconds)
+            median = statistics.median(times)
+            report = tilecompile.report()
+            row.update(ok=1, tok_s=round(n / median, 1), step_s=round(median, 4), first_step_s=round(first, 2),
+                       compile_s=round(first - median, 2), graphs=graphs, compiles_total=total, loss=loss,
+                       rewrites=" ".join(f"{k}={v}" for k, v in report.counts.items() if v) if report.graphs else "",
+                       peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else "")  # fmt: skip
+        except Exception as exc:  # an OOM ends the method: its previous length was its longest
+            row.update(ok=0, error="OOM" if _is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:300]}")
+        print(ROW + json.dumps(row), flush=True)
+        if not row["ok"]:
+            break
+        del batch
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="1.5b,8b", help="comma-separated: " + ",".join(MODELS))
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ",".join(METHODS))
+    ap.add_argument("--checkpointing", default="on,off", help="activation checkpointing: on,off / on / off")
+    ap.add_argument("--lengths", default=",".join(str(4096 << k) for k in range(8)), help="tokens (one row)")
+    ap.add_argument("--layers", type=int, default=0, help="cut every model to this many layers (0: all)")
+    ap.add_argument("--dynamic", action="store_true", help="compile once with dynamic=True (default: per length)")
+    ap.add_argument("--packed", type=int, default=0, help="K documents per row via position_ids (0: one)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps per length after the first")
+    ap.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager", "eager"),
+                    help="tilecompile's inner compiler (aot_eager for a fast CPU smoke test)")  # fmt: skip
+    ap.add_argument("--warm-cache", action="store_true", help="let Inductor reuse its caches (default: cold)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help=f"tiny models {TINY}, lengths 64,128: a smoke test")
+    ap.add_argument("--csv", default="", help="default: benchmarks/results/e2e.csv (a temp file with --tiny)")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(json.loads(args.worker))
+
+    lengths = [64, 128] if args.tiny and "--lengths" not in sys.argv else [int(x) for x in args.lengths.split(",")]
+    methods = args.methods.split(",")
+    if "liger" in methods:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            print("liger_kernel is not installed: no liger rows", flush=True)
+            methods.remove("liger")
+    out = pathlib.Path(args.csv or (pathlib.Path(tempfile.gettempdir()) / "e2e_tiny.csv" if args.tiny else
+                                    pathlib.Path(__file__).parent / "results" / "e2e.csv"))  # fmt: skip
+    print(json.dumps(versions(torch.device(args.device))), flush=True)
+    rows = []
+    for name in args.models.split(","):
+        full = MODELS[name][3] if not args.tiny else TINY[2]
+        cut = f"cut to {args.layers} of {full} layers" if args.layers and args.layers < full else f"all {full} layers"
+        print(f"== {name} ({MODELS[name][0]}{', tiny' if args.tiny else ''}): {cut}", flush=True)
+        for method in methods:
+            for ckpt in args.checkpointing.split(","):
+                cfg = dict(model=name, method=method, checkpointing=ckpt == "on", lengths=lengths, tiny=args.tiny,
+                           layers=args.layers, dynamic=args.dynamic, packed=args.packed, repeats=args.repeats,
+                           inner=args.inner, warm_cache=args.warm_cache, device=args.device)  # fmt: skip
+                rows += run_worker(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    summary(rows)
+    print(f"wrote {out}")
+
+
+def run_worker(cfg: dict) -> list[dict]:
+    cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    rows = []
+    for line in proc.stdout:
+        if line.startswith(ROW):
+            row = json.loads(line[len(ROW) :])
+            rows.append(row)
+            keys = ("seq_len", "ok", "error", "tok_s", "peak_gib", "first_step_s", "graphs", "rewrites")
+            shown = " ".join(f"{k}={row[k]}" for k in keys if row.get(k) not in (None, ""))
+            print(f"{row['method']:<12} ckpt={row['checkpointing']} {shown}", flush=True)
+        else:
+            print(line, end="")
+    missing = [n for n in cfg["lengths"] if n not in {r["seq_len"] for r in rows}]
+    if proc.wait() != 0 and missing and (not rows or rows[-1]["ok"]):  # died without a word (e.g. a CUDA fault)
+        error = f"worker exited with {proc.returncode}"
+        rows.append(dict(model=cfg["model"], method=cfg["method"], checkpointing=int(cfg["checkpointing"]),
+                         dynamic=int(cfg["dynamic"]), seq_len=missing[0], ok=0, error=error))  # fmt: skip
+    return rows
+
+
+def summary(rows: list[dict]) -> None:
+    """Per (model, method, checkpointing): longest length that ran, its first-length compile time, compiles."""
+    print(f"\n{'model':<6} {'method':<12} {'ckpt':<4} {'longest':>8} {'first step s':>12} {'compiles':>8}  stopped by")
+    keys = dict.fromkeys((r["model"], r["method"], r["checkpointing"]) for r in rows)
+    for model, method, ckpt in keys:
+        mine = [r for r in rows if (r["model"], r["method"], r["checkpointing"]) == (model, method, ckpt)]
+        ok = [r for r in mine if r["ok"]]
+        failed = next((r["error"] for r in mine if not r["ok"]), "")
+        longest = max((r["seq_len"] for r in ok), default=0)
+        first = ok[0]["first_step_s"] if ok else ""
+        compiles = sum(r.get("graphs", 0) or 0 for r in ok)
+        print(f"{model:<6} {method:<12} {'on' if ckpt else 'off':<4} {longest:>8} {first:>12} {compiles:>8}  {failed}")
+
+
+if __name__ == "__main__":
+    main()
