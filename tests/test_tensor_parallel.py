@@ -463,7 +463,7 @@ def scenario_two(rank, world):
         check_plain(rank, world, "llama", {off: 0}, layers=1)
     check_plain(rank, world, "qwen2", {}, layers=1)
     check_plain(rank, world, "llama", {}, loss_fn=sft_loss, layers=1)  # cross-entropy, ignore_index=-100 rows
-    check_sp(rank, world, "llama", {})
+    check_sp(rank, world, "llama", {}, layers=1)
     check_sp(rank, world, "qwen2", {"fused_linear_ce": 0, "tiled_mlp": 0}, layers=1)
     check_tied(rank, world)
     check_checkpointing(rank, world)
