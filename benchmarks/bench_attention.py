@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 
 def _env() -> dict:
@@ -75,18 +79,13 @@ def check(device) -> list[dict]:
 
 
 def _time(fn, reps: int = 10) -> float:
-    for _ in range(3):
+    """CUDA-event median of ``reps`` calls after 3 warm-up calls (bench_fused_linear_ce's timer, one warm-up of
+    its own)."""
+    from bench_fused_linear_ce import _time as median_ms
+
+    for _ in range(2):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        z.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(z))
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, reps)
 
 
 def ops(device, n: int, docs: int) -> list[dict]:
