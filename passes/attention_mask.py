@@ -258,13 +258,33 @@ class Interpreter:
     def __init__(self, seq: Any) -> None:
         self.seq = seq
         self.memo: dict[fx.Node, Any] = {}
+        self.levels: dict[fx.Node, frozenset] = {}
+        self.has_vmap: bool | None = None
 
     # A per-token tensor: [N], [1, N] or [B, N], not built from anything of the mask's [.., N, N] frame.
     def is_token_level(self, node: fx.Node) -> bool:
         shp = G.shape(node)
         if shp is None or len(shp) not in (1, 2) or not G.same_size(shp[-1], self.seq):
             return False
-        return G.dtype(node) in (*_INT_DTYPES, torch.bool)
+        # inside vmap a node's shape is per example: a batched [N] is not a per-token tensor of the graph
+        return G.dtype(node) in (*_INT_DTYPES, torch.bool) and not self.vmap_levels(node)
+
+    def vmap_levels(self, node: fx.Node) -> frozenset:
+        """The vmap levels ``node`` is batched over (empty outside vmap)."""
+        if node in self.levels:
+            return self.levels[node]
+        if self.has_vmap is None:
+            self.has_vmap = any(getattr(n.target, "__name__", "") == "_add_batch_dim" for n in node.graph.nodes)
+        if not self.has_vmap:
+            return frozenset()
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        inputs = frozenset().union(*(self.vmap_levels(a) for a in G.tensor_args(node)))
+        if name == "_add_batch_dim":
+            inputs |= {node.args[2]}
+        elif name == "_remove_batch_dim":
+            inputs -= {node.args[1]}
+        self.levels[node] = inputs
+        return inputs
 
     def opaque(self, node: fx.Node) -> Any:
         rank = len(G.shape(node))
