@@ -16,6 +16,9 @@ Spellings follow the passes' docstrings:
 - ``passes/tiled_mlp.py``: ``down(act(gate(x)) * up(x))``, linears in any spelling (``nn.Linear``, ``F.linear``,
   ``x @ w.t()``, a separate bias add), SiLU / GELU (exact, tanh) / ReLU in their spellings, either order of the
   gate multiply, fused ``gate_up`` weights cut by ``chunk``, ``split`` or slicing (either half first).
+- ``passes/attention.py``: an SDPA mask computed from aranges and per-token tensors (causal, sliding window, padding,
+  packed documents, chunks; boolean or 0 / -inf), by hand or through transformers' ``sdpa_mask``; see the attention
+  section below.
 """
 
 from __future__ import annotations
@@ -454,3 +457,438 @@ def init_(module: nn.Module, gen: torch.Generator, scale: float) -> None:
             fan_in = p.shape[-1] if p.dim() == 2 else 10
             std = scale / math.sqrt(fan_in) if p.dim() == 2 else 0.1
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * std)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+# passes/attention.py: an SDPA mask built from aranges and per-token [B, N] tensors, read by what it computes.
+# Atoms (each in several spellings), ANDed in several spellings: causal c_q - c_kv >= offset (c: the index, or
+# position_ids), a sliding window c_q - c_kv < W (both sides when not causal), padding read on the key axis,
+# documents (ids, or found from position_ids restarting, as HF does) and chunks (index // C, per token). Masks are
+# boolean or float 0 / -inf, built by hand (broadcast or HF-style advanced indexing) or by transformers' own
+# ``sdpa_mask`` (with and without vmap; near-misses then inside its mask function where HF would put them).
+ATTN_CAUSAL = ("ge", "le", "not_gt", "sub_ge", "torch.ge")
+ATTN_WINDOWS = ("hf", "lt", "le", "not_ge")
+ATTN_COMBINE = ("&", "logical_and", "mul", "demorgan", "hf_and")
+ATTN_BUILDERS = ("broadcast", "broadcast", "hf_sdpa_mask", "hf_vmap")
+# near-miss -> a piece of the reason the report must give
+ATTN_NEAR_MISSES = {
+    "tril": "not index arithmetic",  # torch.tril(ones(N, N)): a kernel, not index arithmetic
+    "or": "or of conditions",  # causal | (key == 0): an attention sink is a disjunction
+    "random": "not",  # AND a random [B, 1, N, N] input ("not index arithmetic" / "not a per-token tensor")
+    "per_head": "differs per head",  # AND a window that differs per head ([1, H, N, N], H > 1)
+    "dropout": "dropout_p",
+    "pad_query": "not the key axis",  # padding read along the query axis
+    "mask_reused": "also used by",  # the mask leaves the graph too
+    "finfo_min": "not 0 / -inf",  # where(m, 0, finfo.min): a fully masked row attends everywhere, not nowhere
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnSpec:
+    """One attention module: the mask it builds (which atoms, in which spelling) and the SDPA call's shape."""
+
+    causal: str = "ge"  # a spelling of ATTN_CAUSAL, or "none"
+    offset: int = 0  # causal is c_q - c_kv >= offset (1: strictly causal, < 0: a few future keys too)
+    coord: str = "index"  # what causal / window compare: "index" or "pos" (position_ids)
+    window: int | None = None
+    window_spelling: str = "lt"
+    padding: str | None = None  # "broadcast" (pad[:, None, None, :]) or "gather" (pad[b_idx, kv_idx])
+    pad_long: bool = False  # the padding mask is int64 (0 / 1), read through .bool()
+    docs: str | None = None  # "input" (doc ids) or "from_pos" (HF's find_packed_sequence_indices)
+    chunk: int | None = None  # chunked local attention: c = arange(N) // chunk per token, c_q == c_kv
+    indexing: str = "broadcast"  # per-token tensors read as t[:, None, :, None] or t[b_idx, q_idx] (HF)
+    frame: str = "4d"  # index atoms as [N, N] ("2d") or [1, 1, N, N] ("4d")
+    combine: str = "&"
+    expand: bool = False  # .expand(B, 1, N, N) at the end
+    additive: str | None = None  # None, "where" (where(m, 0, -inf)) or "where_not" (where(~m, -inf, 0))
+    builder: str = "broadcast"
+    near_miss: str | None = None
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 8
+    enable_gqa: bool = True
+    scale: float | None = None
+    checkpoint: str = "none"  # "attn" (each layer's attention, the mask passed in) or "all" (the mask built inside)
+    layers: int = 1  # layers sharing the mask
+
+    @property
+    def fires(self) -> int:
+        """Rewrites per graph: one per layer for a claimed mask, none for a near-miss."""
+        return 0 if self.near_miss else self.layers
+
+    @property
+    def kind(self) -> str:
+        """The mask's atoms, for hypothesis' statistics: e.g. "causal(pos)+window+padding+docs(from_pos)"."""
+        if self.near_miss:
+            return f"near-miss {self.near_miss}"
+        parts = []
+        if self.causal != "none":
+            parts.append(f"causal{'' if self.offset == 0 else f'{self.offset:+d}'}({self.coord})")
+        if self.window is not None:
+            parts.append("window")
+        if self.padding:
+            parts.append("padding")
+        if self.docs:
+            parts.append(f"docs({self.docs})")
+        if self.chunk is not None:
+            parts.append("chunks")
+        return "+".join(parts)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        names = ["x"]
+        if self.padding or self.near_miss == "pad_query":
+            names.append("pad")
+        if self.docs == "input":
+            names.append("doc")
+        if self.coord == "pos" or self.docs == "from_pos":
+            names.append("pos")
+        if self.near_miss == "random":
+            names.append("rmask")
+        return tuple(names)
+
+
+def _bhqk(b: int, n: int, heads: int, device) -> tuple[torch.Tensor, ...]:
+    """HF's index tensors: batch [B, 1, 1, 1], head [1, H, 1, 1], query [1, 1, N, 1], key [1, 1, 1, N]."""
+    ar = torch.arange(n, device=device)
+    return (
+        torch.arange(b, device=device)[:, None, None, None],
+        torch.arange(heads, device=device)[None, :, None, None],
+        ar[None, None, :, None],
+        ar[None, None, None, :],
+    )
+
+
+class Attention(nn.Module):
+    """``forward(x, pad, doc, pos, rmask) -> (h,)``: ``layers`` residual attention layers sharing one mask."""
+
+    def __init__(self, spec: AttnSpec, dim: int) -> None:
+        super().__init__()
+        self.spec = spec
+        h, hkv, d = spec.heads, spec.kv_heads, spec.head_dim
+        self.q = nn.ModuleList(nn.Linear(dim, h * d) for _ in range(spec.layers))
+        self.kv = nn.ModuleList(nn.Linear(dim, 2 * hkv * d) for _ in range(spec.layers))
+        self.o = nn.ModuleList(nn.Linear(h * d, dim) for _ in range(spec.layers))
+        self.reference = False
+        self.probe: torch.Generator | None = None  # the reference's noise probe (see add_rounding)
+
+    def forward(self, x, pad=None, doc=None, pos=None, rmask=None) -> tuple:
+        if self.spec.checkpoint == "all" and not self.reference:
+            return torch.utils.checkpoint.checkpoint(self.body, x, pad, doc, pos, rmask, use_reentrant=False)
+        return self.body(x, pad, doc, pos, rmask)
+
+    def body(self, x, pad, doc, pos, rmask) -> tuple:
+        s = self.spec
+        mask = self.mask(x, pad, doc, pos, rmask)
+        h = x
+        for layer in range(s.layers):
+            if s.checkpoint == "attn" and not self.reference:
+                y = torch.utils.checkpoint.checkpoint(self.attend, layer, h, mask, use_reentrant=False)
+            else:
+                y = self.attend(layer, h, mask)
+            h = h + y
+        if s.near_miss == "mask_reused":
+            return h, mask.to(torch.float32).mean()
+        return (h,)
+
+    def attend(self, layer: int, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        b, n, _ = x.shape
+        q = self.q[layer](x).view(b, n, s.heads, s.head_dim).transpose(1, 2)
+        k, v = self.kv[layer](x).view(b, n, 2, s.kv_heads, s.head_dim).permute(2, 0, 3, 1, 4)
+        dropout = 0.25 if s.near_miss == "dropout" else 0.0
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=s.scale, enable_gqa=s.enable_gqa
+        )
+        if self.reference and self.probe is not None and out.requires_grad:
+            self.add_rounding(out, q, k, v, mask)
+        return self.o[layer](out.transpose(1, 2).reshape(b, n, -1))
+
+    def add_rounding(self, out, q, k, v, mask) -> None:
+        """Adds to dq and dk the rounding an fp32 flash-style backward puts in ds, as random-signed noise.
+
+        ds_ij = p_ij (dp_ij - δ_i) with dp_ij = do_i·v_j; the op takes δ_i = do_i·out_i (not Σ_j p_ij dp_ij, which
+        cancels exactly on a row with one allowed key, as eager's and fp64's dq and dk do there), so ds_ij carries
+        rounding up to eps·p_ij·(|do_i|·|v_j| + |do_i|·|out_i|), which reaches dq = scale·ds·k and dk = scale·dsᵀ·q.
+        Run on the float64 reference, the probe shows what that noise becomes in every grad it flows into (see
+        tests/test_fuzz.py, attention_probe)."""
+        s, gen, unit = self.spec, self.probe, torch.finfo(torch.float32).eps
+        scale = s.scale if s.scale is not None else s.head_dim**-0.5
+        group = s.heads // s.kv_heads
+        qd, od = q.detach(), out.detach()
+        kd, vd = (t.detach().repeat_interleave(group, 1) for t in (k, v))
+        bias = torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask
+        p = torch.softmax(qd @ kd.transpose(-1, -2) * scale + bias, -1).nan_to_num(0.0)  # [B, H, N, N]
+        noise = {}
+
+        def on_out(g: torch.Tensor) -> None:
+            size = g.abs() @ vd.abs().transpose(-1, -2) + (g.abs() * od.abs()).sum(-1, keepdim=True)
+            sign = torch.randint(0, 2, size.shape, generator=gen, dtype=size.dtype) * 2 - 1
+            ds = unit * p * size * sign
+            noise["q"] = scale * ds @ kd
+            dk = scale * ds.transpose(-1, -2) @ qd  # [B, H, N, D], summed over the heads that share a key head
+            noise["k"] = dk.view(dk.shape[0], s.kv_heads, group, *dk.shape[2:]).sum(2)
+
+        out.register_hook(on_out)
+        q.register_hook(lambda grad: grad + noise["q"])
+        k.register_hook(lambda grad: grad + noise["k"])
+
+    # -- the mask
+
+    def mask(self, x, pad, doc, pos, rmask) -> torch.Tensor:
+        s = self.spec
+        b, n, _ = x.shape
+        for t in (pad, doc, pos):
+            if t is not None:
+                # Real models tie a per-token tensor's length to the hidden states' (embedding, RoPE); an input read
+                # only through advanced indexing keeps a length symbol of its own under dynamic shapes, which the
+                # pass cannot prove equal to N (it leaves such a mask alone).
+                torch._check(t.shape[-1] == n)
+        if s.builder == "broadcast":
+            m = self.combine(self.atoms(b, n, x.device, pad, doc, pos))
+        else:
+            m = self.hf_mask(b, n, x.device, pad, doc, pos, rmask)
+        bi, hi, qi, ki = _bhqk(b, n, s.heads, x.device)
+        if s.near_miss == "per_head":
+            m = m & (qi - ki <= hi + 2)
+        elif s.builder == "broadcast" and s.near_miss == "or":
+            m = m | (ki == 0)
+        elif s.builder == "broadcast" and s.near_miss == "random":
+            m = m & rmask
+        elif s.builder == "broadcast" and s.near_miss == "pad_query":
+            m = m & pad.bool()[:, None, :, None]
+        if s.expand:
+            m = m.expand(b, -1, n, n) if m.dim() == 4 else m.expand(b, 1, n, n)
+        if s.near_miss == "finfo_min":
+            m = torch.where(m, 0.0, torch.finfo(torch.float32).min)  # HF's eager masks use finfo(dtype).min
+        elif s.additive == "where":
+            m = torch.where(m, 0.0, float("-inf"))
+        elif s.additive == "where_not":
+            m = torch.where(~m, float("-inf"), 0.0)
+        return m
+
+    def tokens(self, t: torch.Tensor, b: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t at the query, t at the key) of a per-token [B, N] tensor, broadcastable to [B, 1, N, N]."""
+        if self.spec.indexing == "gather":
+            bi, _, qi, ki = _bhqk(b, n, 1, device)
+            return t[bi, qi], t[bi, ki]
+        return t[:, None, :, None], t[:, None, None, :]
+
+    def coords(self, b: int, n: int, device, pos) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.spec.coord == "pos":
+            return self.tokens(pos, b, n, device)
+        i = torch.arange(n, device=device)
+        if self.spec.frame == "2d":
+            return i[:, None], i[None, :]
+        return i[None, None, :, None], i[None, None, None, :]
+
+    def atoms(self, b: int, n: int, device, pad, doc, pos) -> list[torch.Tensor]:
+        s = self.spec
+        cq, ck = self.coords(b, n, device, pos)
+        atoms = []
+        if s.near_miss == "tril":
+            atoms.append(torch.tril(torch.ones(n, n, dtype=torch.bool, device=device)))
+        elif s.causal != "none":
+            k = s.offset
+            ck_k = ck if k == 0 else ck + k
+            if s.causal == "ge":
+                atoms.append(cq >= ck_k)
+            elif s.causal == "le":
+                atoms.append(ck_k <= cq)
+            elif s.causal == "not_gt":
+                atoms.append(~(ck_k > cq))
+            elif s.causal == "sub_ge":
+                atoms.append((cq - ck) >= k)
+            else:
+                atoms.append(torch.ge(cq, ck_k))
+        if s.window is not None:
+            w = s.window
+            if s.window_spelling == "hf":
+                atoms.append(ck > cq - w)
+            elif s.window_spelling == "lt":
+                atoms.append((cq - ck) < w)
+            elif s.window_spelling == "le":
+                atoms.append(cq - ck <= w - 1)
+            else:
+                atoms.append(~(cq >= ck + w))
+            if s.causal == "none" and s.near_miss != "tril":  # a window on both sides
+                atoms.append((ck - cq) < w)
+        if s.padding:
+            valid = pad.bool() if s.pad_long else pad
+            if s.padding == "gather":
+                bi, _, _, ki = _bhqk(b, n, 1, device)
+                atoms.append(valid[bi, ki])
+            else:
+                atoms.append(valid[:, None, None, :])
+        if s.docs:
+            d = doc if s.docs == "input" else _packed_sequence_indices(pos)
+            dq, dk = self.tokens(d, b, n, device)
+            atoms.append(dq == dk)
+        if s.chunk is not None:
+            c = torch.arange(n, device=device) // s.chunk
+            if s.indexing == "gather":
+                _, _, qi, ki = _bhqk(b, n, 1, device)
+                atoms.append(c[qi] == c[ki])
+            elif s.frame == "2d":
+                atoms.append(c[:, None] == c[None, :])
+            else:
+                atoms.append(c[None, None, :, None] == c[None, None, None, :])
+        return atoms
+
+    def combine(self, atoms: list[torch.Tensor]) -> torch.Tensor:
+        how = self.spec.combine
+        if how == "hf_and":
+            m = atoms[0].new_ones((), dtype=torch.bool)
+            for a in atoms:
+                m = m & a
+            return m
+        if how == "demorgan":
+            out = ~atoms[0]
+            for a in atoms[1:]:
+                out = out | ~a
+            return ~out
+        m = atoms[0]
+        for a in atoms[1:]:
+            m = m & a if how == "&" else torch.logical_and(m, a) if how == "logical_and" else m * a
+        return m
+
+    def hf_mask(self, b: int, n: int, device, pad, doc, pos, rmask) -> torch.Tensor:
+        """The mask as transformers builds it: its mask functions, through ``sdpa_mask`` (vmap or broadcast)."""
+        import transformers.masking_utils as MU
+
+        s = self.spec
+        fn = MU.causal_mask_function
+        if s.window is not None:
+            fn = MU.and_masks(fn, MU.sliding_window_overlay(s.window))
+        if s.coord == "pos":
+            fn = MU.remap_positions_for_packed_sequence(fn, pos)
+        if s.docs:
+            packed = doc if s.docs == "input" else MU.find_packed_sequence_indices(pos)
+            if packed is not None:  # None: eager found one document per row (no constraint)
+                fn = MU.and_masks(fn, MU.packed_sequence_mask_function(packed))
+        if s.chunk is not None:
+            c = torch.arange(n, device=device) // s.chunk
+            fn = MU.and_masks(fn, lambda bi, hi, qi, ki: c[qi] == c[ki])
+        if s.near_miss == "or":  # an attention sink
+            fn = MU.or_masks(fn, lambda bi, hi, qi, ki: ki == 0)
+        elif s.near_miss == "random":  # a custom pattern read from a tensor (what HF's vmap path is for)
+            fn = MU.and_masks(fn, lambda bi, hi, qi, ki: rmask[bi, 0, qi, ki])
+        elif s.near_miss == "pad_query":
+            fn = MU.and_masks(fn, lambda bi, hi, qi, ki: pad.bool()[bi, qi])
+        return MU.sdpa_mask(
+            batch_size=b,
+            q_length=n,
+            kv_length=n,
+            mask_function=fn,
+            attention_mask=None if not s.padding else pad.bool(),
+            allow_is_causal_skip=False,
+            use_vmap=s.builder == "hf_vmap",
+            device=device,
+        )
+
+
+def _packed_sequence_indices(pos: torch.Tensor) -> torch.Tensor:
+    """Document ids from position_ids that restart (HF's find_packed_sequence_indices, without its early exit)."""
+    first = pos[:, :1] - 1
+    return (torch.diff(pos, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnInputs:
+    """How an example's per-token inputs are drawn (from a generator, so that any length can be made)."""
+
+    dim: int  # model width
+    scale: float  # weights ~ N(0, scale² / fan_in)
+    pad: str = "left"  # "left", "right", "holes", "none", "all" (a row wholly padded), "mixed"
+    doc_rate: float = 0.2  # chance a token starts a new document
+    doc_reuse: bool = False  # document ids come back (mod 2): non-contiguous documents
+    tok_dtype: str = "int64"
+
+
+def attn_make_inputs(spec: AttnSpec, ai: AttnInputs):
+    def make(lead: tuple[int, ...], gen: torch.Generator) -> dict:
+        b, n = lead
+        out = {"x": torch.randn((b, n, ai.dim), generator=gen, dtype=torch.float64)}
+        tok = getattr(torch, ai.tok_dtype)
+        if "pad" in spec.inputs:
+            pad = torch.ones(b, n, dtype=torch.bool)
+            for row in range(b):
+                kind = ai.pad if ai.pad != "mixed" else ("left", "right", "none", "all")[row % 4]
+                cut = int(torch.randint(0, n + 1, (), generator=gen))
+                if kind == "left":
+                    pad[row, :cut] = False
+                elif kind == "right":
+                    pad[row, n - cut :] = False
+                elif kind == "holes":
+                    pad[row] = torch.rand(n, generator=gen) < 0.7
+                elif kind == "all":
+                    pad[row] = False
+            out["pad"] = pad.long() if spec.pad_long else pad
+        starts = torch.rand(b, n, generator=gen) < ai.doc_rate
+        starts[:, 0] = True
+        ids = starts.long().cumsum(-1) - 1
+        if "doc" in spec.inputs:
+            out["doc"] = (ids % 2 if ai.doc_reuse else ids).to(tok)
+        if "pos" in spec.inputs:
+            index = torch.arange(n).expand(b, n)
+            first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+            out["pos"] = (index - first).to(tok)  # restarts at 0 with each document
+        if "rmask" in spec.inputs:
+            out["rmask"] = torch.rand(b, 1, n, n, generator=gen) < 0.6
+        return out
+
+    return make
+
+
+@st.composite
+def attn_specs(draw, *, near_miss: str | None = None) -> AttnSpec:
+    """A claimed mask, or (``near_miss``: a key of ATTN_NEAR_MISSES) that near-miss on top of a drawn mask."""
+    miss = near_miss
+    builder = draw(st.sampled_from(ATTN_BUILDERS))
+    if miss == "tril":
+        builder = "broadcast"
+    hf = builder != "broadcast"
+    causal = "ge" if hf else draw(st.sampled_from((*ATTN_CAUSAL, "none")))
+    window = draw(st.one_of(st.none(), st.integers(1, 40)))
+    padding = draw(st.sampled_from([None, "broadcast", "gather"]))
+    docs = draw(st.sampled_from([None, "input", "from_pos"]))
+    # chunks are documents too: one mask holds one document equality (two are a reason, not a rewrite)
+    chunk = None if docs else draw(st.sampled_from([None, None, 1, 4, 16]))
+    coord = draw(st.sampled_from(["index", "index", "pos"]))
+    if causal == "none" and window is None and not padding and not docs and not chunk and miss != "tril":
+        causal = "ge"  # at least one atom (an all-True mask is a different claim)
+    heads = draw(st.sampled_from([2, 4, 6] if miss == "per_head" else [1, 2, 4, 6]))
+    # Dynamo cannot trace HF's vmap (a TorchFunctionMode) inside a checkpoint body: only the attention there. Dropout
+    # in a checkpoint body is PyTorch's matter: the recompute draws again under an eager inner compiler, and Dynamo
+    # asserts (lift_tracked_freevar_to_input) under dynamic=True, both with torch.compile(backend="eager") alone.
+    checkpoint = draw(st.sampled_from(["none", "none", "attn", "attn" if builder == "hf_vmap" else "all"]))
+    if miss == "dropout":
+        checkpoint = "none"
+    kv_heads = draw(st.sampled_from([k for k in (1, 2, 3, 4, 6) if heads % k == 0]))
+    return AttnSpec(
+        causal=causal,
+        offset=0 if hf or causal == "none" else draw(st.sampled_from([0, 0, 0, 1, -2])),
+        coord=coord,
+        window=window,
+        window_spelling=draw(st.sampled_from(ATTN_WINDOWS)),
+        padding=padding,
+        pad_long=draw(st.booleans()),
+        docs=docs,
+        chunk=chunk,
+        indexing=draw(st.sampled_from(["broadcast", "gather"])),
+        frame=draw(st.sampled_from(["2d", "4d"])),
+        combine=draw(st.sampled_from(ATTN_COMBINE)),
+        # padding alone is a [B, 1, 1, N] mask, which the pass reads only once expanded to [B, 1, N, N] (as HF does)
+        expand=draw(st.booleans()) or (causal == "none" and window is None and not docs and not chunk),
+        additive=draw(st.sampled_from([None, None, "where", "where_not"])),
+        builder=builder,
+        near_miss=miss,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from([1, 2, 3, 4, 5, 8, 12, 16, 32])),
+        enable_gqa=heads != kv_heads or draw(st.booleans()),
+        scale=draw(st.sampled_from([None, None, 0.3, 1.0])),
+        checkpoint=checkpoint,
+        layers=draw(st.sampled_from([1, 1, 1, 2])),
+    )
