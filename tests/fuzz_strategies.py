@@ -572,6 +572,7 @@ class Attention(nn.Module):
         self.o = nn.ModuleList(nn.Linear(h * d, dim) for _ in range(spec.layers))
         self.reference = False
         self.probe: torch.Generator | None = None  # the reference's noise probe (see add_rounding)
+        self.bounds: dict[str, float] = {}  # what the probe's noise can add at most to the q / kv grads, by name
 
     def forward(self, x, pad=None, doc=None, pos=None, rmask=None) -> tuple:
         if self.spec.checkpoint == "all" and not self.reference:
@@ -602,17 +603,18 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=s.scale, enable_gqa=s.enable_gqa
         )
         if self.reference and self.probe is not None and out.requires_grad:
-            self.add_rounding(out, q, k, v, mask)
+            self.add_rounding(layer, x, out, q, k, v, mask)
         return self.o[layer](out.transpose(1, 2).reshape(b, n, -1))
 
-    def add_rounding(self, out, q, k, v, mask) -> None:
+    def add_rounding(self, layer, x, out, q, k, v, mask) -> None:
         """Adds to dq and dk the rounding an fp32 flash-style backward puts in ds, as random-signed noise.
 
         ds_ij = p_ij (dp_ij - δ_i) with dp_ij = do_i·v_j; the op takes δ_i = do_i·out_i (not Σ_j p_ij dp_ij, which
         cancels exactly on a row with one allowed key, as eager's and fp64's dq and dk do there), so ds_ij carries
         rounding up to eps·p_ij·(|do_i|·|v_j| + |do_i|·|out_i|), which reaches dq = scale·ds·k and dk = scale·dsᵀ·q.
         Run on the float64 reference, the probe shows what that noise becomes in every grad it flows into (see
-        tests/test_fuzz.py, attention_probe)."""
+        tests/test_fuzz.py, attention_probe); ``bounds`` gets what it adds at most to this layer's q / kv grads (where
+        random signs can cancel in a sum over few tokens)."""
         s, gen, unit = self.spec, self.probe, torch.finfo(torch.float32).eps
         scale = s.scale if s.scale is not None else s.head_dim**-0.5
         group = s.heads // s.kv_heads
@@ -625,10 +627,20 @@ class Attention(nn.Module):
         def on_out(g: torch.Tensor) -> None:
             size = g.abs() @ vd.abs().transpose(-1, -2) + (g.abs() * od.abs()).sum(-1, keepdim=True)
             sign = torch.randint(0, 2, size.shape, generator=gen, dtype=size.dtype) * 2 - 1
-            ds = unit * p * size * sign
-            noise["q"] = scale * ds @ kd
-            dk = scale * ds.transpose(-1, -2) @ qd  # [B, H, N, D], summed over the heads that share a key head
-            noise["k"] = dk.view(dk.shape[0], s.kv_heads, group, *dk.shape[2:]).sum(2)
+            ds = unit * p * size
+
+            def heads(t: torch.Tensor) -> torch.Tensor:  # [B, H, N, D] -> [B, Hkv, N, D]: a key head's queries
+                return t.view(t.shape[0], s.kv_heads, group, *t.shape[2:]).sum(2)
+
+            noise["q"] = scale * (ds * sign) @ kd
+            noise["k"] = heads(scale * (ds * sign).transpose(-1, -2) @ qd)  # summed over the heads of a key head
+            # at most: |dq| <= scale·ds·|k|, |dk| <= scale·dsᵀ·|q|, through the linear layers' |input|
+            bq, bk = scale * ds @ kd.abs(), heads(scale * ds.transpose(-1, -2) @ qd.abs())
+            bq, bk = (t.transpose(1, 2).flatten(2) for t in (bq, bk))  # [B, N, heads · D]
+            ax = x.detach().abs()
+            for name, b in ((f"q.{layer}", bq), (f"kv.{layer}", bk)):
+                self.bounds[f"grad {name}.weight"] = (b.transpose(1, 2) @ ax).sum(0).amax().item()
+                self.bounds[f"grad {name}.bias"] = b.sum((0, 1)).amax().item()
 
         out.register_hook(on_out)
         q.register_hook(lambda grad: grad + noise["q"])
@@ -858,6 +870,9 @@ def attn_specs(draw, *, near_miss: str | None = None) -> AttnSpec:
     coord = draw(st.sampled_from(["index", "index", "pos"]))
     if causal == "none" and window is None and not padding and not docs and not chunk and miss != "tril":
         causal = "ge"  # at least one atom (an all-True mask is a different claim)
+    offset = 0 if hf or causal == "none" else draw(st.sampled_from([0, 0, 0, 1, -2]))
+    if window is not None and offset >= window:
+        offset = 0  # lo > hi allows no key at all: the pass leaves that alone ("the mask allows no key at all")
     heads = draw(st.sampled_from([2, 4, 6] if miss == "per_head" else [1, 2, 4, 6]))
     # Dynamo cannot trace HF's vmap (a TorchFunctionMode) inside a checkpoint body: only the attention there. Dropout
     # in a checkpoint body is PyTorch's matter: the recompute draws again under an eager inner compiler, and Dynamo
@@ -868,7 +883,7 @@ def attn_specs(draw, *, near_miss: str | None = None) -> AttnSpec:
     kv_heads = draw(st.sampled_from([k for k in (1, 2, 3, 4, 6) if heads % k == 0]))
     return AttnSpec(
         causal=causal,
-        offset=0 if hf or causal == "none" else draw(st.sampled_from([0, 0, 0, 1, -2])),
+        offset=offset,
         coord=coord,
         window=window,
         window_spelling=draw(st.sampled_from(ATTN_WINDOWS)),
