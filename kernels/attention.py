@@ -25,16 +25,10 @@ Two implementations of the same math:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 # Bytes of fp32 scores one query block of the chunked path may hold (scores and probabilities: about 3x this).
 CHUNK_BUDGET_BYTES = 64 * 2**20
-
-
-def _rows(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
-    return None if t is None else t[:, idx]
 
 
 def block_mask(
@@ -85,20 +79,26 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _block_scores(q, kc, start, step, ct, scale, mask_args):
+    """Scores of query rows [start, start + step) against every key, [B, Hkv, G, rows, N] in ``ct``, the rows in
+    ``ct`` grouped by key head, and the block's allowed mask [B or 1, 1, rows, N] (None: all allowed)."""
+    n = q.shape[2]
+    qi = torch.arange(start, min(start + step, n), device=q.device)
+    qb = _grouped(q[:, :, start : start + step].to(ct), kc.shape[1])
+    s = (qb @ kc.transpose(-1, -2)) * scale
+    return s, qb, block_mask(qi, kc.shape[-2], *mask_args)
+
+
 def chunked_fwd(q, k, v, pos, doc, valid, lo, hi, scale):
     """(out [B, H, N, Dv] in q's dtype, lse [B, H, N] in fp32, fp64 for fp64 inputs)."""
     b, h, n, _ = q.shape
-    hkv, n_kv = k.shape[1], k.shape[2]
     ct = _compute_dtype(q.dtype)
     kc, vc = k.to(ct)[:, :, None], v.to(ct)[:, :, None]  # [B, Hkv, 1, N, D]
     out = q.new_empty((b, h, n, v.shape[-1]))
     lse = torch.empty((b, h, n), dtype=ct, device=q.device)
-    step = _block_rows(b, h, n_kv)
+    step = _block_rows(b, h, k.shape[2])
     for start in range(0, n, step):
-        qi = torch.arange(start, min(start + step, n), device=q.device)
-        qb = _grouped(q[:, :, start : start + step].to(ct), hkv)
-        s = (qb @ kc.transpose(-1, -2)) * scale  # [B, Hkv, G, r, N]
-        m = block_mask(qi, n_kv, pos, doc, valid, lo, hi)
+        s, _, m = _block_scores(q, kc, start, step, ct, scale, (pos, doc, valid, lo, hi))
         if m is not None:
             s = s.masked_fill(~m[:, :, None], float("-inf"))
         row_max = s.amax(-1, keepdim=True)
@@ -124,14 +124,11 @@ def chunked_bwd(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, scale):
     step = _block_rows(b, h, n_kv)
     for start in range(0, n, step):
         sl = slice(start, start + step)
-        qi = torch.arange(start, min(start + step, n), device=q.device)
-        qb = _grouped(q[:, :, sl].to(ct), hkv)
+        s, qb, m = _block_scores(q, kc, start, step, ct, scale, (pos, doc, valid, lo, hi))
         dob = _grouped(grad_out[:, :, sl].to(ct), hkv)
         ob = _grouped(out[:, :, sl].to(ct), hkv)
         lb = lse[:, :, sl].reshape(b, hkv, h // hkv, -1, 1).to(ct)
-        s = (qb @ kc.transpose(-1, -2)) * scale
         p = torch.exp(s - lb)  # lse = +inf on fully masked rows: p = 0 there
-        m = block_mask(qi, n_kv, pos, doc, valid, lo, hi)
         if m is not None:
             p = p.masked_fill(~m[:, :, None], 0.0)
         dv += p.transpose(-1, -2) @ dob
@@ -243,7 +240,3 @@ def varlen_bwd(grad_out, q, k, v, out, lse, plan, lo, hi, scale):
         return t.reshape(b, n, heads, d).transpose(1, 2).contiguous()
 
     return back(dq, h), back(dk, k.shape[1]), back(dv, v.shape[1])
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -207,8 +207,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in gm.graph.nodes:
         if is_sdpa(node) and isinstance(_mask_arg(node), fx.Node):
             masks.setdefault(_mask_arg(node), []).append(node)
-        elif _body(gm, node) is not None:
-            body = _body(gm, node)
+        elif (body := _body(gm, node)) is not None:
             phs = _placeholders(body)
             for i, a in enumerate(node.args[1:]):
                 if isinstance(a, fx.Node) and i < len(phs) and _reaches_sdpa_mask(body, phs[i]):

@@ -132,21 +132,10 @@ def _map_value(value: Any, fn) -> Any:
 
     def base(b):
         if isinstance(b, Idx):
-            return Idx(fn(b.axis))
-        return Tok(b.node, fn(b.axis), None if b.batch_axis is None else fn(b.batch_axis))
+            return Idx(fn(b.axis)), 0
+        return Tok(b.node, fn(b.axis), None if b.batch_axis is None else fn(b.batch_axis)), 0
 
-    if isinstance(value, Num):
-        return Num.of({base(b): c for b, c in value.terms}, value.const)
-    if isinstance(value, Bool):
-        if value.kind == "cmp":
-            op, a, b = value.args
-            return Bool("cmp", (op, _map_value(a, fn), _map_value(b, fn)))
-        if value.kind == "truth":
-            return Bool("truth", (base(value.args[0]),))
-        if value.kind in ("and", "or", "not"):
-            return Bool(value.kind, tuple(_map_value(a, fn) for a in value.args))
-        return value
-    return value
+    return _rebase(value, base)
 
 
 def _index_view_map(in_rank: int, index: tuple) -> dict[int, int] | None:
@@ -580,11 +569,14 @@ class Interpreter:
 
 
 def _rebase(value: Any, move) -> Any:
+    """``value`` with every base b replaced: ``move(b) -> (b', off)`` reads b as b' + off, or as the constant off
+    when b' is None."""
     if isinstance(value, Num):
         terms, const = {}, value.const
         for b, c in value.terms:
             nb, off = move(b)
-            terms[nb] = terms.get(nb, 0) + c
+            if nb is not None:
+                terms[nb] = terms.get(nb, 0) + c
             const += c * off
         return Num.of(terms, const)
     if isinstance(value, Bool):
@@ -593,7 +585,7 @@ def _rebase(value: Any, move) -> Any:
             return _fold_cmp(op, _rebase(a, move), _rebase(b, move))
         if value.kind == "truth":
             nb, off = move(value.args[0])
-            if off:
+            if off or nb is None:
                 raise NotIndexArithmetic("a boolean per-token tensor read at an offset")
             return Bool("truth", (nb,))
         if value.kind in ("and", "or", "not"):
@@ -603,6 +595,8 @@ def _rebase(value: Any, move) -> Any:
 
 
 def _substitute(value: Any, subst: dict[int, int], node: fx.Node) -> Any:
+    """``value`` with the index along each axis in ``subst`` fixed to the given constant (a one-wide slice)."""
+
     def move(b):
         if isinstance(b, Idx) and b.axis in subst:
             return None, subst[b.axis]
@@ -610,27 +604,7 @@ def _substitute(value: Any, subst: dict[int, int], node: fx.Node) -> Any:
             raise NotIndexArithmetic(f"{node.name}: a slice of per-token tensor {b.node.name}")
         return b, 0
 
-    def rebase_drop(v):
-        if isinstance(v, Num):
-            terms, const = {}, v.const
-            for b, c in v.terms:
-                nb, off = move(b)
-                if nb is None:
-                    const += c * off
-                else:
-                    terms[nb] = terms.get(nb, 0) + c
-            return Num.of(terms, const)
-        if isinstance(v, Bool) and v.kind == "cmp":
-            op, a, b = v.args
-            return _fold_cmp(op, rebase_drop(a), rebase_drop(b))
-        if isinstance(v, Bool) and v.kind in ("and", "or", "not"):
-            args = [rebase_drop(a) for a in v.args]
-            return _not(args[0]) if v.kind == "not" else (_and if v.kind == "and" else _or)(*args)
-        if isinstance(v, Bool) and v.kind == "truth":
-            move(v.args[0])
-        return v
-
-    return rebase_drop(value)
+    return _rebase(value, move)
 
 
 # -------------------------------------------------------------------------------------------------- the mask spec
