@@ -23,6 +23,8 @@ Workspace: one [N, C] chunk plus the fp32 dh accumulator; C comes from ``chunk_s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 try:
@@ -456,6 +458,93 @@ def fused_linear_logprob_bwd(
     return dh, dw
 
 
+# Bytes one [R, V] row block of logits may take in the loss-aware forward (whole vocabulary per block).
+LOSS_BLOCK_BUDGET_BYTES = 320 * 2**20
+_ROW_ALIGN = 128
+
+
+def row_block(
+    n_rows: int, vocab: int, elem_bytes: int, requested: int = 0, budget: int = LOSS_BLOCK_BUDGET_BYTES
+) -> int:
+    """Rows per block of the loss-aware forward: ``requested`` if > 0, else what keeps one [R, V] block within
+    ``budget`` (a multiple of 128 rows when that fits, so the GEMMs tile evenly)."""
+    if requested > 0:
+        return max(1, min(requested, n_rows))
+    r = budget // max(1, vocab * elem_bytes)
+    if r >= _ROW_ALIGN:
+        r = r // _ROW_ALIGN * _ROW_ALIGN
+    return max(1, min(max(r, 16), n_rows))
+
+
+def fused_linear_logprob_loss_fwd(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    inv_t: float,
+    ignore_index: int,
+    with_entropy: bool,
+    grad_of: Any,
+    *,
+    block_rows: int = 0,
+    use_triton: bool | None = None,
+    gemm_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Loss-aware forward: log-probs, entropy and the gradients of a scalar loss, in 3 GEMMs instead of 4.
+
+    For row blocks R that hold the whole vocabulary: z_R = h_R·Wᵀ, the forward epilogue gives logp_R, H_R and the
+    row statistics; ``grad_of(logp, entropy, r0, r1)`` then returns the loss's per-token gradients (g_lp, g_H) of those
+    rows (fp32 [R] or None), from the [N] buffers filled up to r1 (later rows are still 0); the backward
+    epilogue turns z_R into dz_R in place; dh_R = dz_R·W (complete: one GEMM over the whole vocabulary) and
+    dW += dz_Rᵀ·h_R. Returns (logp, entropy or None, stats, dh, dW): fp32 [N] / [N, 2] and the input dtypes.
+
+    dW is accumulated across row blocks in the GEMM dtype (bf16 on CUDA: cuBLAS adds the block's fp32 product to
+    the bf16 running sum and rounds once per block); an fp32 [V, D] accumulator would not fit the memory this mode
+    exists to save. Workspace: one [R, V] block (``row_block``).
+    """
+    n, d = h.shape
+    v = weight.shape[0]
+    dev = h.device
+    gdt = _gemm_dtype(h, gemm_dtype)
+    triton_path = _use_triton(h, use_triton)
+    fwd_epilogue = _triton_fwd_epilogue if triton_path else _torch_fwd_epilogue
+    bwd_epilogue = _triton_bwd_epilogue if triton_path else _torch_bwd_epilogue
+    hg = h if h.dtype == gdt else h.to(gdt)
+    wg = weight if weight.dtype == gdt else weight.to(gdt)
+    r = row_block(n, v, torch.finfo(gdt).bits // 8, block_rows)
+    logp = torch.zeros(n, device=dev, dtype=torch.float32)
+    stats = torch.zeros(n, 2, device=dev, dtype=torch.float32)
+    ent = torch.zeros(n, device=dev, dtype=torch.float32) if with_entropy else None
+    dh = torch.empty(n, d, device=dev, dtype=gdt)
+    dw = torch.zeros(v, d, device=dev, dtype=gdt) if n == 0 else None
+    scalar_t = float(inv_t)
+    buf = torch.empty(min(r, n) * v, dtype=gdt, device=dev)
+    for r0 in range(0, n, r):
+        r1 = min(n, r0 + r)
+        rows = slice(r0, r1)
+        z = buf[: (r1 - r0) * v].view(r1 - r0, v)
+        torch.mm(hg[rows], wg.t(), out=z)
+        state = (
+            torch.full((r1 - r0,), float("-inf"), device=dev, dtype=torch.float32),
+            *(torch.zeros(r1 - r0, device=dev, dtype=torch.float32) for _ in range(3)),
+        )
+        ent_r = ent[rows] if ent is not None else None
+        fwd_epilogue(z, labels[rows], state, logp[rows], ent_r, stats[rows], 0, scalar_t, ignore_index, with_entropy,
+                     True)  # fmt: skip
+        glp, gent = grad_of(logp, ent, r0, r1)
+        bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index)
+        torch.mm(z, wg, out=dh[rows])
+        if dw is None:
+            dw = torch.mm(z.t(), hg[rows])
+        else:
+            dw.addmm_(z.t(), hg[rows])
+    del buf
+    if v == 0:
+        logp.fill_(float("nan"))
+        if ent is not None:
+            ent.fill_(float("nan"))
+    return logp, ent, stats, dh.to(h.dtype), dw.to(weight.dtype)
+
+
 def reference_logprob_entropy(
     h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, ignore_index: int = -100
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -473,9 +562,12 @@ __all__ = [
     "BWD_CHUNK_BUDGET_BYTES",
     "FWD_CHUNK_BUDGET_BYTES",
     "HAS_TRITON",
+    "LOSS_BLOCK_BUDGET_BYTES",
     "chunk_size",
     "fused_linear_logprob_bwd",
     "fused_linear_logprob_fwd",
+    "fused_linear_logprob_loss_fwd",
+    "row_block",
     "probe",
     "reference_logprob_entropy",
 ]

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from tilecompile.passes import loss_aware as LA
 
 from tilecompile import graph as G
 from tilecompile import reporting as R
@@ -846,11 +847,13 @@ def temperature_of(chain: Chain) -> float:
     return 1.0 / chain.scale
 
 
-def _rewrite(gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], settings: Any, op: Any) -> R.Rewrite:
+def _rewrite(
+    gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], settings: Any, op: Any, tainted: set[fx.Node]
+) -> R.Rewrite:
     """Insert the fused calls, rebuild each escaping value, erase the region; on _Reject nothing is left behind."""
     new: list[fx.Node] = []
     try:
-        return _rewrite_region(gm, r, escapes, settings, op, new)
+        return _rewrite_region(gm, r, escapes, settings, op, new, tainted)
     except _Reject:
         for node in reversed(new):
             if not node.users:
@@ -858,7 +861,7 @@ def _rewrite(gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], settings: A
         raise
 
 
-def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewrite:
+def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node], tainted: set[fx.Node]) -> R.Rewrite:
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(r.values)
@@ -913,10 +916,15 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
             twin = next((k for k in keyed if k[0] is labels and k[1] != _ANY_NEGATIVE and k[1] < 0), None)
             keyed[(labels, ignore)] = {"alias": twin} if twin else {}
 
+    # the loss-aware mode (grads in the forward) when the escaping values reduce to one scalar loss
+    plan, mode = _loss_mode(r, escapes, calls, settings, modes, switch, tainted, graph)
+
     # everything the calls read must exist before the anchor: move pure label computations up if needed
     for base, keyed in calls.items():
         for n in (*(t for _, t in r.chain(base).tensor_scales), *(k[0] for k in keyed)):
             _hoist(n, anchor, position)
+    for n in plan.externals if plan is not None else ():
+        _hoist(n, anchor, position)
 
     results: dict[fx.Node, dict[Any, Any]] = {}
     n_calls = 0
@@ -955,16 +963,27 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
             vp = r.vocab_parallel
             if vp is not None and int(ignore) >= 0:
                 raise _Reject(f"ignore_index={ignore}: the vocab-parallel op needs a negative one (logits gathered)")
-            if vp is not None:  # the local weight's statistics, reduced across the group; no logits gathered
-                args = [*args[:6], int(settings.ce_vocab_chunk), vp.group, vp.world, vp.rank]
-                fused = b.call(_vocab_parallel_op(), *args)
-            else:
-                fused = b.call(op, *args)
             with fake_mode:
                 expected = (
                     torch.empty(ls, dtype=torch.float32, device=device),
                     torch.empty(ls if with_entropy else (0,), dtype=torch.float32, device=device),
                 )
+            if vp is not None:  # the local weight's statistics, reduced across the group; no logits gathered
+                args = [*args[:6], int(settings.ce_vocab_chunk), vp.group, vp.world, vp.rank]
+                fused = b.call(_vocab_parallel_op(), *args)
+            elif plan is not None:  # extras and key are set once the loss function is extracted (below)
+                detached = [b.call("detach", x, method=True) for x in (hb, weight)]
+                args = [*detached, *args[2:7], [], 0, int(settings.ce_loss_block_rows)]
+                fused = b.call(_loss_op(), *args)
+                with fake_mode:
+                    expected = (
+                        *expected,
+                        torch.empty_like(G.example_value(hb)),
+                        torch.empty_like(G.example_value(weight)),
+                    )
+                loss_call = {"fused": fused, "h": hb, "weight": weight, "entropy": None}
+            else:
+                fused = b.call(op, *args)
             expect(fused, expected)
             logp = b.call(operator.getitem, fused, 0)
             expect(logp, expected[0])
@@ -974,11 +993,18 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
             if with_entropy:
                 out["entropy"] = b.call(operator.getitem, fused, 1)
                 expect(out["entropy"], expected[1])
+            if plan is not None:
+                loss_call.update(
+                    logp=logp, entropy=out["entropy"], grads=[b.call(operator.getitem, fused, i) for i in (2, 3)]
+                )
+                for i, g in zip((2, 3), loss_call["grads"]):
+                    expect(g, expected[i])
         for key, spec in keyed.items():
             if "alias" in spec:
                 out[key] = out[spec["alias"]]
         results[base] = out
 
+    replaced: dict[fx.Node, fx.Node] = {}
     for node in escapes:
         v = r.values[node]
         out = results[v.base]
@@ -1000,6 +1026,9 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
             value = b.call("to", value, want.dtype, method=True)
         expect(value, want)
         node.replace_all_uses_with(value)
+        replaced[node] = value
+    if plan is not None:
+        mode = _finish_loss_aware(graph, plan, replaced, loss_call, fake_mode, lin.node)
 
     if switch:
         with graph.inserting_before(anchor):
@@ -1024,6 +1053,7 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
         f"(via {', '.join(spelled)}); temperature {'/'.join(temps)}"
         f"{' (tensor, folded into h)' if tensor_t else ''}{autocast}; {n_calls} fused call(s)"
         f"{f'; vocab-parallel over {vp.world} ranks (all_reduce max + sum of the row statistics)' if vp else ''}"
+        f"{f'; {mode}' if mode else ''}"
     )
     return R.Rewrite(
         NAME,
@@ -1032,6 +1062,68 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node]) -> R.Rewri
         dtypes={"h": str(G.dtype(h)), "weight": str(G.dtype(lin.weight)), "logits": str(G.dtype(lin.node))},
         detail=detail,
     )
+
+
+def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, graph) -> tuple[LA.LossPlan | None, str]:
+    """(the loss plan, "") for the loss-aware mode, or (None, "recompute mode: <why>") when the region needs grads
+    but cannot have it; (None, "") when nothing needs grads (the op then runs its forward only)."""
+    lin = r.linear
+    if not any(getattr(G.example_value(n), "requires_grad", False) for n in (lin.input, lin.weight)):
+        return None, ""
+    why = None
+    if not settings.ce_loss_aware:
+        why = "the loss-aware mode is off (ce_loss_aware=0)"
+    elif r.vocab_parallel is not None:
+        why = "a vocab-parallel lm_head has no loss-aware mode"
+    elif len(calls) != 1 or sum(1 for spec in next(iter(calls.values())).values() if "alias" not in spec) > 1:
+        why = "more than one fused call (several label sets or views of the logits)"
+    elif switch:
+        why = "the log-probs are first used under torch.no_grad()"
+    else:
+        roots = {n: _loss_root(n, r.values[n]) for n in escapes}
+        found = LA.find_loss(roots, modes, tainted - set(escapes), graph)
+        if isinstance(found, LA.LossPlan):
+            return found, ""
+        why = found
+    return None, f"recompute mode (4 GEMMs): {why}"
+
+
+def _loss_root(node: fx.Node, v: Any) -> Any:
+    if isinstance(v, Reduced):
+        return LA.Lin(True)
+    return LA.Tok(("row", str(G.shape(node))), True)
+
+
+def _finish_loss_aware(graph, plan: LA.LossPlan, replaced, call: dict, fake_mode, meta_from: fx.Node) -> str:
+    """Give the loss-aware call its loss function F and route the gradient of S through the op's anchor."""
+    from tilecompile.ops.fused_linear_ce import register_loss
+
+    loss = replaced.get(plan.loss, plan.loss)
+    fn, externals = LA.extract(graph, (call["logp"], call["entropy"]), loss)
+    fused = call["fused"]
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for n in externals:  # what the rebuilt values read (labels' count for a mean CE) must precede the call
+        _hoist(n, fused, position)
+    fused.update_arg(7, list(externals))
+    fused.update_arg(8, register_loss(fn, fn.code))
+    b = _Builder(graph, loss.next, fake_mode, meta_from)
+    zero = b.call(_anchor_op(), call["h"], call["weight"], *call["grads"])
+    with_anchor = b.call(operator.add, loss, zero)
+    expect(with_anchor, G.example_value(loss))
+    loss.replace_all_uses_with(with_anchor, delete_user_cb=lambda u: u is not with_anchor)
+    return f"loss-aware mode (3 GEMMs: grads in the forward for the loss {plan.loss.name})"
+
+
+def _loss_op() -> Any:
+    import tilecompile.ops.fused_linear_ce  # noqa: F401 - registers the op
+
+    return torch.ops.tilecompile.fused_linear_logprob_loss.default
+
+
+def _anchor_op() -> Any:
+    import tilecompile.ops.fused_linear_ce  # noqa: F401 - registers the op
+
+    return torch.ops.tilecompile.loss_anchor.default
 
 
 def _output_name(v: Any) -> str:
@@ -1139,6 +1231,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not regions:
         return result
     op, unavailable = _fused_op()
+    tainted = LA.descendants([r.linear.node for r in regions])
     for r in regions:
         where = G.module_path(r.linear.node)
         candidate = f"linear {r.linear.node.name} -> log-prob/entropy/CE"
@@ -1146,7 +1239,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         reason = reason or unavailable
         if reason is None:
             try:
-                result.rewrites.append(_rewrite(gm, r, escapes, ctx.settings, op))
+                result.rewrites.append(_rewrite(gm, r, escapes, ctx.settings, op, tainted))
                 continue
             except _Reject as exc:  # _rewrite removed what it had inserted (hoisting only moved pure nodes)
                 reason = str(exc)

@@ -47,6 +47,10 @@ _SPECS: dict[str, _Spec] = {
     "mlp_grad_accum": _Spec(str, "fp32", "weight-grad accumulation dtype", ("fp32", "param")),
     # fused_linear_ce: vocabulary columns per chunk; 0 = chosen by the op
     "ce_vocab_chunk": _Spec(int, 0, "vocab columns per chunk in the fused CE op (0: automatic)"),
+    # fused_linear_ce: grads in the forward (3 GEMMs, not 4) when the graph reduces the outputs to a scalar loss
+    "ce_loss_aware": _Spec(bool, True, "lm_head grads computed in the forward when the graph ends in a scalar loss"),
+    # fused_linear_ce, loss-aware mode: rows per block of whole-vocabulary logits; 0 = from the op's memory budget
+    "ce_loss_block_rows": _Spec(int, 0, "rows per logits block in the loss-aware mode (0: automatic)"),
     # fused_linear_ce: check labels on CUDA (one device-side check and a host sync per call)
     "check_inputs": _Spec(bool, False, "validate labels on CUDA (costs a host sync per call)"),
 }
@@ -99,6 +103,8 @@ class Settings:
     mlp_min_tokens: int
     mlp_grad_accum: str
     ce_vocab_chunk: int
+    ce_loss_aware: bool
+    ce_loss_block_rows: int
     check_inputs: bool
 
     def pass_enabled(self, pass_name: str) -> bool:

@@ -22,7 +22,10 @@ capture); unchecked, such a row gets a meaningless logp but no out-of-bounds acc
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
+from typing import Any
 
 import torch
 
@@ -252,6 +255,131 @@ def _fused_linear_logprob(
 
 
 _lib.impl("fused_linear_logprob", _fused_linear_logprob, "CompositeImplicitAutograd")
+
+
+# ------------------------------------------------------------------------------------------- loss-aware mode
+
+# loss key -> the traced loss function F(logp, entropy, *extras) -> scalar loss S (passes/loss_aware.py builds it
+# from the graph). A custom op cannot take a callable; it takes the key. Keys are digests of F's code, so a graph
+# compiled in another process (Inductor's cache) finds the same F once the pass has run there too.
+_LOSS_FNS: dict[int, Any] = {}
+
+
+def register_loss(fn: Any, code: str) -> int:
+    """Keep ``fn`` (an FX GraphModule) for the loss-aware op; returns its key (a digest of ``code``)."""
+    key = int(hashlib.sha256(code.encode()).hexdigest()[:15], 16)
+    _LOSS_FNS.setdefault(key, fn)
+    return key
+
+
+def _per_token_grads(fn: Any, extras: list[torch.Tensor], shape: torch.Size, with_entropy: bool) -> Any:
+    """``grad_of(logp, ent, r0, r1)`` for the kernel: ∂S/∂logp and ∂S/∂H of rows [r0, r1), from F evaluated on the
+    kernel's [N] buffers (viewed in labels' shape).
+
+    The pass proved that each token's gradient depends on that token's values alone, so F on buffers whose later
+    rows are still 0 gives the exact gradient of the rows already done."""
+
+    def grad_of(logp: torch.Tensor, ent: torch.Tensor | None, r0: int, r1: int):
+        with _autograd_inside_op():
+            lp = logp.view(shape).detach().requires_grad_()
+            inputs = (lp, ent.view(shape).detach().requires_grad_()) if with_entropy else (lp,)
+            loss = fn(*inputs, *(() if with_entropy else (logp.new_zeros(0),)), *extras)
+            grads = torch.autograd.grad(loss.sum(), inputs, allow_unused=True)
+        grads = (*grads, None)[:2]
+        return tuple(None if g is None else g.reshape(-1)[r0:r1].float().contiguous() for g in grads)
+
+    return grad_of
+
+
+_AUTOGRAD_KEYS = (
+    torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
+)
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Autograd for F's gradient inside the op's implementation, which runs below the autograd dispatch keys (and,
+    at run time, inside AOTAutograd's dispatch modes and with torch.func off): those are put back as they were."""
+    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    with (
+        torch.utils._python_dispatch._disable_current_modes(),
+        torch._C._ForceDispatchKeyGuard(include, exclude - _AUTOGRAD_KEYS),
+        torch.enable_grad(),
+    ):
+        yield
+
+
+@torch.library.custom_op("tilecompile::fused_linear_logprob_loss", mutates_args=())
+def fused_linear_logprob_loss(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    check_inputs: bool,
+    extras: list[torch.Tensor],
+    loss_key: int,
+    block_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss-aware mode: (logp, entropy or empty [0], grad_h, grad_weight), not differentiable.
+
+    logp and entropy are ``fused_linear_logprob``'s. grad_h and grad_weight are the gradients of the scalar loss
+    S = F(logp, entropy, *extras) (F registered under ``loss_key``), computed in the forward from the logits the
+    forward has anyway (3 GEMMs). The pass calls it on detached h and weight and routes the gradient through
+    ``loss_anchor``: S + loss_anchor(h, weight, grad_h, grad_weight) is S, and its backward is g·grad_h, g·grad_weight.
+    """
+    _check_static(h, weight, labels, temperature)
+    if loss_key not in _LOSS_FNS:
+        raise RuntimeError(f"tilecompile: no loss function registered under key {loss_key} (compile in this process)")
+    if not h.is_cuda or check_inputs:
+        _check_labels(labels, weight.shape[0], ignore_index)
+    h2, labels1 = _flat(h, labels)
+    grad_of = _per_token_grads(_LOSS_FNS[loss_key], extras, labels.shape, with_entropy)
+    logp, ent, _stats, dh, dw = K.fused_linear_logprob_loss_fwd(
+        h2, weight, labels1, 1.0 / float(temperature), ignore_index, with_entropy, grad_of, block_rows=block_rows
+    )
+    ent_out = ent.reshape(labels.shape) if ent is not None else h.new_empty(0, dtype=torch.float32)
+    return logp.reshape(labels.shape), ent_out, dh.reshape(h.shape), dw
+
+
+@fused_linear_logprob_loss.register_fake
+def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, extras, loss_key, block_rows=0):
+    _check_static(h, weight, labels, temperature)
+    logp = labels.new_empty(labels.shape, dtype=torch.float32)
+    ent = labels.new_empty(labels.shape if with_entropy else (0,), dtype=torch.float32)
+    return logp, ent, torch.empty_like(h), torch.empty_like(weight)
+
+
+@torch.library.custom_op("tilecompile::loss_anchor", mutates_args=())
+def loss_anchor(h: torch.Tensor, weight: torch.Tensor, grad_h: torch.Tensor, grad_weight: torch.Tensor) -> torch.Tensor:
+    """A 0-dim fp32 zero whose gradient g (dOut/dS, once added to the loss S) gives h and weight g·grad_h and
+    g·grad_weight: the loss-aware mode's way back into autograd."""
+    return torch.zeros((), dtype=torch.float32, device=h.device)
+
+
+@loss_anchor.register_fake
+def _(h, weight, grad_h, grad_weight):
+    return h.new_empty((), dtype=torch.float32)
+
+
+def _anchor_setup_context(ctx, inputs, output):
+    _h, _w, grad_h, grad_weight = inputs
+    ctx.save_for_backward(grad_h, grad_weight)
+
+
+def _anchor_backward(ctx, g):
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_h, grad_weight = ctx.saved_tensors
+    # plain aten multiplies: under Inductor the saved grads are donated buffers, so the scaling runs in place
+    gh = grad_h * g if need_h else None
+    gw = grad_weight * g if need_w else None
+    return gh, gw, None, None
+
+
+loss_anchor.register_autograd(_anchor_backward, setup_context=_anchor_setup_context)
 
 
 # ------------------------------------------------------------------------------------- vocabulary parallel
