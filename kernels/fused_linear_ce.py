@@ -458,8 +458,11 @@ def fused_linear_logprob_bwd(
     return dh, dw
 
 
-# Bytes one [R, V] row block of logits may take in the loss-aware forward (whole vocabulary per block).
-LOSS_BLOCK_BUDGET_BYTES = 320 * 2**20
+# Bytes one [R, V] row block of logits may take in the loss-aware forward (whole vocabulary per block). Swept on H200
+# (benchmarks/probe_loss_aware.py, N=16384, V=151936, bf16, op fwd+bwd): R = 1024 / 1536 / 2048 rows took 98.9 / 96.0 /
+# 96.0 ms at D=4096 and 42.6 / 40.5 / 43.9 ms at D=1536. 448 MiB gives R = 1536; 2048 rows (594 MiB) would push the
+# D=4096 step past its 1.75 GiB budget (dW alone is 1.16 GiB).
+LOSS_BLOCK_BUDGET_BYTES = 448 * 2**20
 _ROW_ALIGN = 128
 
 
@@ -477,7 +480,7 @@ def row_block(
 
 
 def fused_linear_logprob_loss_fwd(
-    h: torch.Tensor,
+    h: torch.Tensor | list[torch.Tensor],
     weight: torch.Tensor,
     labels: torch.Tensor,
     inv_t: float,
@@ -488,27 +491,29 @@ def fused_linear_logprob_loss_fwd(
     block_rows: int = 0,
     use_triton: bool | None = None,
     gemm_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss-aware forward: log-probs, entropy and the gradients of a scalar loss, in 3 GEMMs instead of 4.
 
+    ``h`` is [N, D], or a list of [n_i, D] row segments (each with unit column stride) whose rows, in order, are
+    the N rows: a shifted ``h[:, :-1]`` is passed as one segment per sequence instead of being copied.
     For row blocks R that hold the whole vocabulary: z_R = h_R·Wᵀ, the forward epilogue gives logp_R, H_R and the
-    row statistics; ``grad_of(logp, entropy, r0, r1)`` then returns the loss's per-token gradients (g_lp, g_H) of those
-    rows (fp32 [R] or None), from the [N] buffers filled up to r1 (later rows are still 0); the backward
+    row statistics; ``grad_of(logp, entropy, r0, r1)`` then returns the loss's per-token gradients (g_lp, g_H) of
+    those rows (fp32 [R] or None), from the [N] buffers filled up to r1 (later rows are still 0); the backward
     epilogue turns z_R into dz_R in place; dh_R = dz_R·W (complete: one GEMM over the whole vocabulary) and
-    dW += dz_Rᵀ·h_R. Returns (logp, entropy or None, stats, dh, dW): fp32 [N] / [N, 2] and the input dtypes.
+    dW += dz_Rᵀ·h_R. Returns (logp, entropy or None, stats, dh [N, D], dW): fp32 and the input dtypes.
 
     dW is accumulated across row blocks in the GEMM dtype (bf16 on CUDA: cuBLAS adds the block's fp32 product to
     the bf16 running sum and rounds once per block); an fp32 [V, D] accumulator would not fit the memory this mode
     exists to save. Workspace: one [R, V] block (``row_block``).
     """
-    n, d = h.shape
-    v = weight.shape[0]
-    dev = h.device
-    gdt = _gemm_dtype(h, gemm_dtype)
-    triton_path = _use_triton(h, use_triton)
+    segments = [h] if isinstance(h, torch.Tensor) else list(h)
+    n = sum(seg.shape[0] for seg in segments)
+    d, v = weight.shape[1], weight.shape[0]
+    dev, dtype = weight.device, segments[0].dtype
+    gdt = gemm_dtype if gemm_dtype is not None else (dtype if weight.is_cuda else torch.float32)
+    triton_path = _use_triton(weight, use_triton)
     fwd_epilogue = _triton_fwd_epilogue if triton_path else _torch_fwd_epilogue
     bwd_epilogue = _triton_bwd_epilogue if triton_path else _torch_bwd_epilogue
-    hg = h if h.dtype == gdt else h.to(gdt)
     wg = weight if weight.dtype == gdt else weight.to(gdt)
     r = row_block(n, v, torch.finfo(gdt).bits // 8, block_rows)
     logp = torch.zeros(n, device=dev, dtype=torch.float32)
@@ -517,32 +522,36 @@ def fused_linear_logprob_loss_fwd(
     dh = torch.empty(n, d, device=dev, dtype=gdt)
     dw = torch.zeros(v, d, device=dev, dtype=gdt) if n == 0 else None
     scalar_t = float(inv_t)
-    buf = torch.empty(min(r, n) * v, dtype=gdt, device=dev)
-    for r0 in range(0, n, r):
-        r1 = min(n, r0 + r)
-        rows = slice(r0, r1)
-        z = buf[: (r1 - r0) * v].view(r1 - r0, v)
-        torch.mm(hg[rows], wg.t(), out=z)
-        state = (
-            torch.full((r1 - r0,), float("-inf"), device=dev, dtype=torch.float32),
-            *(torch.zeros(r1 - r0, device=dev, dtype=torch.float32) for _ in range(3)),
-        )
-        ent_r = ent[rows] if ent is not None else None
-        fwd_epilogue(z, labels[rows], state, logp[rows], ent_r, stats[rows], 0, scalar_t, ignore_index, with_entropy,
-                     True)  # fmt: skip
-        glp, gent = grad_of(logp, ent, r0, r1)
-        bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index)
-        torch.mm(z, wg, out=dh[rows])
-        if dw is None:
-            dw = torch.mm(z.t(), hg[rows])
-        else:
-            dw.addmm_(z.t(), hg[rows])
+    buf = torch.empty(min(r, max(n, 1)) * v, dtype=gdt, device=dev)
+    g0 = 0
+    for seg in segments:
+        hg = seg if seg.dtype == gdt else seg.to(gdt)
+        for s0 in range(0, seg.shape[0], r):
+            s1 = min(seg.shape[0], s0 + r)
+            rows, h_r = slice(g0 + s0, g0 + s1), hg[s0:s1]
+            z = buf[: (s1 - s0) * v].view(s1 - s0, v)
+            torch.mm(h_r, wg.t(), out=z)
+            state = (
+                torch.full((s1 - s0,), float("-inf"), device=dev, dtype=torch.float32),
+                *(torch.zeros(s1 - s0, device=dev, dtype=torch.float32) for _ in range(3)),
+            )
+            ent_r = ent[rows] if ent is not None else None
+            fwd_epilogue(z, labels[rows], state, logp[rows], ent_r, stats[rows], 0, scalar_t, ignore_index,
+                         with_entropy, True)  # fmt: skip
+            glp, gent = grad_of(logp, ent, rows.start, rows.stop)
+            bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index)
+            torch.mm(z, wg, out=dh[rows])
+            if dw is None:
+                dw = torch.mm(z.t(), h_r)
+            else:
+                dw.addmm_(z.t(), h_r)
+        g0 += seg.shape[0]
     del buf
     if v == 0:
         logp.fill_(float("nan"))
         if ent is not None:
             ent.fill_(float("nan"))
-    return logp, ent, stats, dh.to(h.dtype), dw.to(weight.dtype)
+    return logp, ent, stats, dh.to(dtype), dw.to(weight.dtype)
 
 
 def reference_logprob_entropy(

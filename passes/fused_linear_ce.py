@@ -1068,7 +1068,7 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, graph) -> tu
     """(the loss plan, "") for the loss-aware mode, or (None, "recompute mode: <why>") when the region needs grads
     but cannot have it; (None, "") when nothing needs grads (the op then runs its forward only)."""
     lin = r.linear
-    if not any(getattr(G.example_value(n), "requires_grad", False) for n in (lin.input, lin.weight)):
+    if not getattr(G.example_value(lin.node), "requires_grad", False):  # no grad needed, or traced under no_grad
         return None, ""
     why = None
     if not settings.ce_loss_aware:

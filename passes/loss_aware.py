@@ -213,7 +213,7 @@ def find_loss(
                 )
             if not isinstance(G.example_value(a), torch.Tensor):
                 kind = type(G.example_value(a)).__name__
-                return f"the loss math reads {a.name}, a {kind} (a size, under dynamic shapes)"
+                return f"the loss math reads {a.name}, a {kind} (a symbolic Python number, under dynamic shapes)"
             externals.append(a)
     return LossPlan(loss, nodes, externals)
 

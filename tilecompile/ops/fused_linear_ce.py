@@ -272,6 +272,23 @@ def register_loss(fn: Any, code: str) -> int:
     return key
 
 
+_MIN_SEGMENT = 512
+
+
+def _row_segments(h: torch.Tensor) -> list[torch.Tensor]:
+    """h's rows as 2-D [n_i, D] views with unit column stride, in order, without a copy where that keeps the GEMMs
+    big: a shifted ``h[:, :-1]`` (rows strided per sequence) becomes one segment per sequence."""
+    d = h.shape[-1]
+    if h.stride(-1) == 1 and h.dim() >= 2:
+        try:
+            return [h.view(-1, d)]
+        except RuntimeError:
+            pass
+        if h.dim() == 3 and h.shape[1] >= _MIN_SEGMENT and h.stride(1) == d:
+            return list(h.unbind(0))
+    return [h.reshape(-1, d).contiguous()]
+
+
 def _per_token_grads(fn: Any, extras: list[torch.Tensor], shape: torch.Size, with_entropy: bool) -> Any:
     """``grad_of(logp, ent, r0, r1)`` for the kernel: ∂S/∂logp and ∂S/∂H of rows [r0, r1), from F evaluated on the
     kernel's [N] buffers (viewed in labels' shape).
@@ -336,11 +353,12 @@ def fused_linear_logprob_loss(
         raise RuntimeError(f"tilecompile: no loss function registered under key {loss_key} (compile in this process)")
     if not h.is_cuda or check_inputs:
         _check_labels(labels, weight.shape[0], ignore_index)
-    h2, labels1 = _flat(h, labels)
+    labels1 = labels.reshape(-1).contiguous()
     grad_of = _per_token_grads(_LOSS_FNS[loss_key], extras, labels.shape, with_entropy)
     logp, ent, _stats, dh, dw = K.fused_linear_logprob_loss_fwd(
-        h2, weight, labels1, 1.0 / float(temperature), ignore_index, with_entropy, grad_of, block_rows=block_rows
-    )
+        _row_segments(h), weight, labels1, 1.0 / float(temperature), ignore_index, with_entropy, grad_of,
+        block_rows=block_rows,
+    )  # fmt: skip
     ent_out = ent.reshape(labels.shape) if ent is not None else h.new_empty(0, dtype=torch.float32)
     return logp.reshape(labels.shape), ent_out, dh.reshape(h.shape), dw
 

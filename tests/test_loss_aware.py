@@ -1,0 +1,304 @@
+"""The fused lm_head's loss-aware mode: grads in the forward when the graph reduces log-prob / entropy to a loss.
+
+Each test compiles a loss, asserts which mode the report says ran, and compares the loss and the gradients of h and
+the lm_head weight with eager's (fp32 on CPU; the GPU test compares bf16 with a float64 reference). A loss that is
+not of the supported shape falls back to the recompute mode with a reason, and its gradients are eager's too.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from helpers import assert_close, compile_options, rel_err
+from tilecompile.kernels import fused_linear_ce as K
+
+import tilecompile
+from tilecompile.ops import fused_linear_ce as O
+
+B, T, D, V = 3, 11, 16, 37
+TEMPERATURE = 0.9
+
+
+class Head(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(D, V, bias=False)
+
+
+def masked_mean(x, mask, dim=None):
+    return (x * mask).sum() / mask.sum() if dim is None else (x * mask).sum(dim) / mask.sum(dim)
+
+
+def logp_entropy(model, h, ids):
+    logits = model.lm_head(h)[:, :-1]
+    logits = logits / TEMPERATURE
+    z = logits.float()
+    logp = torch.gather(F.log_softmax(z, dim=-1), -1, ids[:, 1:, None]).squeeze(-1)
+    entropy = torch.logsumexp(z, dim=-1) - (F.softmax(z, dim=-1) * z).sum(-1)
+    return logp, entropy
+
+
+def ppo_clip(logp, old, adv, low=0.2, high=0.28):
+    ratio = torch.exp(logp - old)
+    a = adv[:, None]
+    return torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - low, 1 + high)), ratio
+
+
+def ppo_token_mean(model, h, ids, batch):
+    logp, entropy = logp_entropy(model, h, ids)
+    pg, ratio = ppo_clip(logp, batch["old"], batch["adv"])
+    clipfrac = masked_mean(((ratio - 1).abs() > 0.2).float(), batch["mask"])
+    loss = masked_mean(pg, batch["mask"]) - 0.01 * masked_mean(entropy, batch["mask"])
+    return loss, clipfrac.detach(), entropy.detach().mean()
+
+
+def grpo_kl_seq_mean_token_mean(model, h, ids, batch):
+    logp, _ = logp_entropy(model, h, ids)
+    pg, _ = ppo_clip(logp, batch["old"], batch["adv"])
+    delta = batch["ref"] - logp
+    kl = torch.exp(delta) - delta - 1  # k3 estimator
+    per_seq = masked_mean(pg + 0.04 * kl, batch["mask"], dim=-1)
+    return per_seq.mean()
+
+
+def seq_mean_token_sum(model, h, ids, batch):
+    logp, entropy = logp_entropy(model, h, ids)
+    pg, _ = ppo_clip(logp, batch["old"], batch["adv"])
+    per_seq = ((pg - 0.001 * entropy) * batch["mask"]).sum(-1)
+    return per_seq.mean() / 4.0  # a scale inside the graph (gradient accumulation over 4 micro-batches)
+
+
+def entropy_bonus_only(model, h, ids, batch):
+    _, entropy = logp_entropy(model, h, ids)
+    return -masked_mean(entropy, batch["mask"])
+
+
+def sft_cross_entropy(model, h, ids, batch):
+    logits = model.lm_head(h)[:, :-1].float()
+    labels = ids[:, 1:].masked_fill(batch["mask"] == 0, -100)
+    return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100)
+
+
+def squared_loss(model, h, ids, batch):
+    """Nonlinear after the reduction: S is the mean, its square is autograd's business (g = 2·S)."""
+    logp, _ = logp_entropy(model, h, ids)
+    return masked_mean(-logp, batch["mask"]) ** 2
+
+
+def make_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, D, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    batch = {
+        "mask": (torch.rand(B, T - 1, generator=g) > 0.25).float(),
+        "old": -torch.rand(B, T - 1, generator=g) * 3 - 1,
+        "ref": -torch.rand(B, T - 1, generator=g) * 3 - 1,
+        "adv": torch.randn(B, generator=g),
+    }
+    batch["mask"][:, 0] = 1.0
+    return h, ids, batch
+
+
+def run(loss_fn, *, scale=1.0, options=None, dynamic=None, h_dtype=torch.float32):
+    """Compile ``loss_fn``; its first output times ``scale`` (a scale after the graph: gradient accumulation, a
+    GradScaler) is backpropagated; loss, outputs and grads must equal eager's. Returns the report."""
+    torch.manual_seed(0)
+    model = Head()
+    reference = copy.deepcopy(model)
+    h, ids, batch = make_batch()
+    h = h.to(h_dtype).requires_grad_()
+    h_ref = h.detach().clone().requires_grad_()
+    expected = loss_fn(reference, h_ref, ids, batch)
+    options = compile_options(**(options or {}))
+    compiled = torch.compile(loss_fn, backend="tilecompile", options=options, dynamic=dynamic)
+    actual = compiled(model, h, ids, batch)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    actual = actual if isinstance(actual, tuple) else (actual,)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_close(a, e, rtol=1e-5, atol=1e-6, name=f"output {i}")
+    (actual[0] * scale).backward()
+    (expected[0] * scale).backward()
+    atol = 1e-7 * scale  # grads are scale times larger: the same relative bar
+    assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=atol, name="grad of h")
+    assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, rtol=1e-5, atol=atol, name="grad of W")
+    return tilecompile.report()
+
+
+def detail(rep) -> str:
+    (rw,) = [r for r in rep.rewrites if r.pass_name == "fused_linear_ce"]
+    return rw.detail
+
+
+LOSSES = [ppo_token_mean, grpo_kl_seq_mean_token_mean, seq_mean_token_sum, entropy_bonus_only, sft_cross_entropy,
+          squared_loss]  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_fn", LOSSES, ids=lambda f: f.__name__)
+def test_loss_aware_mode_runs_and_matches_eager(loss_fn):
+    assert "loss-aware mode" in detail(run(loss_fn))
+
+
+@pytest.mark.parametrize("scale", [0.25, 1024.0], ids=["grad_accumulation", "grad_scaler"])
+def test_loss_scaled_after_the_graph(scale):
+    assert "loss-aware mode" in detail(run(ppo_token_mean, scale=scale))
+
+
+def test_row_blocks_smaller_than_the_tokens():
+    # 30 tokens in blocks of 7: the per-token gradient of each block is formed before later rows are known
+    assert "loss-aware mode" in detail(run(grpo_kl_seq_mean_token_mean, options={"ce_loss_block_rows": 7}))
+
+
+def test_switched_off_by_the_option():
+    d = detail(run(ppo_token_mean, options={"ce_loss_aware": False}))
+    assert "recompute mode" in d and "ce_loss_aware=0" in d
+
+
+def returns_logp(model, h, ids, batch):
+    logp, _ = logp_entropy(model, h, ids)
+    return masked_mean(-logp, batch["mask"]), logp
+
+
+def centred(model, h, ids, batch):
+    logp, _ = logp_entropy(model, h, ids)
+    return masked_mean((logp - logp.mean()) ** 2, batch["mask"])
+
+
+def sequence_level_ratio(model, h, ids, batch):
+    logp, _ = logp_entropy(model, h, ids)
+    seq_ratio = torch.exp(masked_mean(logp - batch["old"], batch["mask"], dim=-1))  # GSPO-style
+    return -(seq_ratio * batch["adv"]).mean()
+
+
+def two_losses(model, h, ids, batch):
+    logp, entropy = logp_entropy(model, h, ids)
+    return masked_mean(-logp, batch["mask"]), masked_mean(entropy, batch["mask"])
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "why"),
+    [
+        (returns_logp, "reach 2 values"),
+        (centred, "reach 2 values"),  # logp and its mean meet in one element: not per token
+        (sequence_level_ratio, "not a scalar loss"),
+        (two_losses, "reach 2 values"),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_other_losses_fall_back_to_recompute_with_the_reason(loss_fn, why):
+    d = detail(run(loss_fn))
+    assert "recompute mode" in d and why in d, d
+
+
+def test_no_grad_call_runs_the_forward_only_and_names_no_mode():
+    model = Head()
+    h, ids, batch = make_batch()
+    compiled = torch.compile(ppo_token_mean, backend="tilecompile", options=compile_options())
+    with torch.no_grad():
+        expected = ppo_token_mean(model, h, ids, batch)
+        actual = compiled(model, h, ids, batch)
+    assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-6, name="loss")
+    d = detail(tilecompile.report())
+    assert "mode" not in d, d
+
+
+def test_dynamic_shapes():
+    # under dynamic=True Python floats become symbolic; the loss math that reads one stays in the recompute mode
+    rep = run(grpo_kl_seq_mean_token_mean, dynamic=True)
+    details = [r.detail for r in rep.rewrites if r.pass_name == "fused_linear_ce"]
+    assert details and all("recompute mode" in d and "symbolic Python number" in d for d in details), details
+
+
+def test_through_inductor():
+    # Inductor's CPU backend: the saved grads are donated to the backward, which scales them in place
+    assert "loss-aware mode" in detail(run(ppo_token_mean, options={"inner": "inductor"}))
+
+
+# --------------------------------------------------------------------------------------------- the op itself
+
+
+def _ppo(lp, ent, old, adv, mask):
+    ratio = torch.exp(lp - old)
+    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2))
+    return (pg * mask).sum() / mask.sum() - 0.01 * (ent * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("block_rows", [0, 5, 600])
+@pytest.mark.parametrize("shifted", [False, True])
+def test_op_against_float64(block_rows, shifted):
+    """The op's logp and grads against the float64 formula; a shifted h[:, :-1] of long rows (one segment per
+    sequence, no copy) and row blocks that straddle segments."""
+    g = torch.Generator().manual_seed(1)
+    rows = 700 if shifted else 37
+    h_full = torch.randn(2, rows + 1, D, generator=g, dtype=torch.float64)
+    w = torch.randn(V, D, generator=g, dtype=torch.float64) * 0.3
+    y = torch.randint(0, V, (2, rows), generator=g)
+    y[0, 3] = -100
+    old = -torch.rand(2, rows, generator=g, dtype=torch.float64) - 2
+    adv = torch.randn(2, 1, generator=g, dtype=torch.float64)
+    mask = (torch.rand(2, rows, generator=g) > 0.2).double()
+    fn = fx.symbolic_trace(_ppo)
+    key = O.register_loss(fn, fn.code)
+    h32 = h_full.float()[:, :-1] if shifted else h_full.float()[:, 1:].contiguous()
+    if shifted:
+        assert len(O._row_segments(h32)) == 2  # no copy of the shifted rows
+    h32 = h32.detach().requires_grad_()
+    w32 = w.float().requires_grad_()
+    extras = [old.float(), adv.float(), mask.float()]
+    lp, ent, dh, dw = torch.ops.tilecompile.fused_linear_logprob_loss(
+        h32.detach(), w32.detach(), y, TEMPERATURE, -100, True, False, extras, key, block_rows
+    )
+    loss = _ppo(lp, ent, *extras) + torch.ops.tilecompile.loss_anchor(h32, w32, dh, dw)
+    loss.backward()
+
+    h64 = (h_full[:, :-1] if shifted else h_full[:, 1:]).clone().requires_grad_()
+    w64 = w.clone().requires_grad_()
+    lp64, ent64 = K.reference_logprob_entropy(h64, w64, y, TEMPERATURE, -100)
+    _ppo(lp64, ent64, old, adv, mask).backward()
+    assert_close(lp, lp64, rtol=1e-5, atol=1e-5, name="logp")
+    assert rel_err(h32.grad, h64.grad) < 1e-5 and rel_err(w32.grad, w64.grad) < 1e-5
+
+
+def test_op_without_a_registered_loss_says_so():
+    h, w, y = torch.randn(4, D), torch.randn(V, D), torch.randint(0, V, (4,))
+    with pytest.raises(RuntimeError, match="no loss function registered"):
+        torch.ops.tilecompile.fused_linear_logprob_loss(h, w, y, 1.0, -100, True, False, [], 12345, 0)
+
+
+@pytest.mark.gpu
+def test_bf16_on_gpu_against_float64():
+    """bf16 grads of the loss-aware op against float64; the error may not exceed the recompute op's by much."""
+    torch.manual_seed(0)
+    n, d, v = 4096, 256, 32000
+    dev = "cuda"
+    h64 = torch.randn(n, d, dtype=torch.float64, device=dev)
+    w64 = torch.randn(v, d, dtype=torch.float64, device=dev) * d**-0.5
+    y = torch.randint(0, v, (n,), device=dev)
+    old = -torch.rand(n, device=dev) - 2
+    adv = torch.randn(n, device=dev)
+    mask = (torch.rand(n, device=dev) > 0.1).float()
+    fn = fx.symbolic_trace(_ppo)
+    key = O.register_loss(fn, fn.code)
+
+    def grads(which):
+        h = h64.bfloat16().requires_grad_()
+        w = w64.bfloat16().requires_grad_()
+        if which == "loss-aware":
+            lp, ent, dh, dw = torch.ops.tilecompile.fused_linear_logprob_loss(
+                h.detach(), w.detach(), y, 1.0, -100, True, False, [old, adv, mask], key, 512
+            )
+            (_ppo(lp, ent, old, adv, mask) + torch.ops.tilecompile.loss_anchor(h, w, dh, dw)).backward()
+        else:
+            lp, ent = torch.ops.tilecompile.fused_linear_logprob(h, w, y, 1.0, -100, True)
+            _ppo(lp, ent, old, adv, mask).backward()
+        return h.grad, w.grad
+
+    h_ref, w_ref = h64.clone().requires_grad_(), w64.clone().requires_grad_()
+    lp64, ent64 = K.reference_logprob_entropy(h_ref, w_ref, y)
+    _ppo(lp64, ent64, old.double(), adv.double(), mask.double()).backward()
+    ours, recompute = grads("loss-aware"), grads("recompute")
+    for a, b, ref in zip(ours, recompute, (h_ref.grad, w_ref.grad)):
+        assert rel_err(a, ref) <= 2 * rel_err(b, ref) + 1e-3, (rel_err(a, ref), rel_err(b, ref))
