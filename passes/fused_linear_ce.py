@@ -848,12 +848,18 @@ def temperature_of(chain: Chain) -> float:
 
 
 def _rewrite(
-    gm: fx.GraphModule, r: _Region, escapes: list[fx.Node], settings: Any, op: Any, tainted: set[fx.Node]
+    gm: fx.GraphModule,
+    r: _Region,
+    escapes: list[fx.Node],
+    settings: Any,
+    op: Any,
+    tainted: set[fx.Node],
+    in_body: bool = False,
 ) -> R.Rewrite:
     """Insert the fused calls, rebuild each escaping value, erase the region; on _Reject nothing is left behind."""
     new: list[fx.Node] = []
     try:
-        return _rewrite_region(gm, r, escapes, settings, op, new, tainted)
+        return _rewrite_region(gm, r, escapes, settings, op, new, tainted, in_body)
     except _Reject:
         for node in reversed(new):
             if not node.users:
@@ -861,7 +867,9 @@ def _rewrite(
         raise
 
 
-def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node], tainted: set[fx.Node]) -> R.Rewrite:
+def _rewrite_region(
+    gm, r, escapes, settings, op, new: list[fx.Node], tainted: set[fx.Node], in_body: bool
+) -> R.Rewrite:
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(r.values)
@@ -917,7 +925,7 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node], tainted: s
             keyed[(labels, ignore)] = {"alias": twin} if twin else {}
 
     # the loss-aware mode (grads in the forward) when the escaping values reduce to one scalar loss
-    plan, mode = _loss_mode(r, escapes, calls, settings, modes, switch, tainted, graph)
+    plan, mode = _loss_mode(r, escapes, calls, settings, modes, switch, tainted, gm if in_body else None)
 
     # everything the calls read must exist before the anchor: move pure label computations up if needed
     for base, keyed in calls.items():
@@ -1029,6 +1037,9 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node], tainted: s
         replaced[node] = value
     if plan is not None:
         mode = _finish_loss_aware(graph, plan, replaced, loss_call, fake_mode, lin.node)
+        if in_body:  # a checkpoint body: keep the op's outputs instead of running the 3 GEMMs again in backward
+            gm.meta[_CONTEXT_FN] = _saves_loss_aware_op()
+            mode += "; its outputs are saved, not recomputed, by the activation checkpoint around it"
 
     if switch:
         with graph.inserting_before(anchor):
@@ -1064,9 +1075,10 @@ def _rewrite_region(gm, r, escapes, settings, op, new: list[fx.Node], tainted: s
     )
 
 
-def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, graph) -> tuple[LA.LossPlan | None, str]:
+def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body) -> tuple[LA.LossPlan | None, str]:
     """(the loss plan, "") for the loss-aware mode, or (None, "recompute mode: <why>") when the region needs grads
-    but cannot have it; (None, "") when nothing needs grads (the op then runs its forward only)."""
+    but cannot have it; (None, "") when nothing needs grads (the op then runs its forward only). ``body``: the
+    higher-order op body (activation checkpoint) the region is in, or None."""
     lin = r.linear
     if not getattr(G.example_value(lin.node), "requires_grad", False):  # no grad needed, or traced under no_grad
         return None, ""
@@ -1079,9 +1091,11 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, graph) -> tu
         why = "more than one fused call (several label sets or views of the logits)"
     elif switch:
         why = "the log-probs are first used under torch.no_grad()"
+    elif body is not None and _CONTEXT_FN in body.meta:
+        why = "the checkpoint around it has its own context_fn (selective checkpointing) that would recompute the op"
     else:
         roots = {n: _loss_root(n, r.values[n]) for n in escapes}
-        found = LA.find_loss(roots, modes, tainted - set(escapes), graph)
+        found = LA.find_loss(roots, modes, tainted - set(escapes), r.linear.node.graph)
         if isinstance(found, LA.LossPlan):
             return found, ""
         why = found
@@ -1112,6 +1126,28 @@ def _finish_loss_aware(graph, plan: LA.LossPlan, replaced, call: dict, fake_mode
     expect(with_anchor, G.example_value(loss))
     loss.replace_all_uses_with(with_anchor, delete_user_cb=lambda u: u is not with_anchor)
     return f"loss-aware mode (3 GEMMs: grads in the forward for the loss {plan.loss.name})"
+
+
+# where torch.compile's activation checkpointing looks for a selective-checkpoint policy of a checkpoint body
+_CONTEXT_FN = "_checkpoint_context_fn"
+
+
+def _saves_loss_aware_op() -> Any:
+    """A selective-checkpoint context_fn: the loss-aware op's outputs (dh, dW: its 3 GEMMs) are saved, the rest of
+    the body is recomputed as plain activation checkpointing does."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return functools.partial(create_selective_checkpoint_contexts, _save_loss_aware_policy)
+
+
+def _save_loss_aware_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op is torch.ops.tilecompile.fused_linear_logprob_loss.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _loss_op() -> Any:
@@ -1239,7 +1275,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         reason = reason or unavailable
         if reason is None:
             try:
-                result.rewrites.append(_rewrite(gm, r, escapes, ctx.settings, op, tainted))
+                in_body = ctx.graph_name != "<root>"
+                result.rewrites.append(_rewrite(gm, r, escapes, ctx.settings, op, tainted, in_body))
                 continue
             except _Reject as exc:  # _rewrite removed what it had inserted (hoisting only moved pure nodes)
                 reason = str(exc)

@@ -302,3 +302,21 @@ def test_bf16_on_gpu_against_float64():
     ours, recompute = grads("loss-aware"), grads("recompute")
     for a, b, ref in zip(ours, recompute, (h_ref.grad, w_ref.grad)):
         assert rel_err(a, ref) <= 2 * rel_err(b, ref) + 1e-3, (rel_err(a, ref), rel_err(b, ref))
+
+
+def test_checkpointed_loss_saves_the_op_instead_of_running_it_again(monkeypatch):
+    """torch.utils.checkpoint around lm_head + loss: the body's policy saves the loss-aware op's outputs, so its
+    3 GEMMs run once (in the forward), not again in the backward's recomputation."""
+    calls = []
+    forward = K.fused_linear_logprob_loss_fwd
+    monkeypatch.setattr(K, "fused_linear_logprob_loss_fwd", lambda *a, **k: calls.append(1) or forward(*a, **k))
+
+    def checkpointed(model, h, ids, batch):
+        loss = torch.utils.checkpoint.checkpoint(
+            lambda m, x: ppo_token_mean(m, x, ids, batch)[0], model, h, use_reentrant=False
+        )
+        return loss
+
+    d = detail(run(checkpointed))
+    assert "loss-aware mode" in d and "saved, not recomputed" in d, d
+    assert len(calls) == 1
