@@ -73,7 +73,9 @@ def test_ce_vocab_chunk_option_reaches_the_op(monkeypatch):
 
     w = torch.randn(50, 3, requires_grad=True)
     h, y = torch.randn(4, 3), torch.tensor([0, 49, 7, 8])
-    fn = torch.compile(loss, backend="tilecompile", options=compile_options(ce_vocab_chunk=7), fullgraph=True)
+    # the recompute mode's op takes vocabulary chunks (the loss-aware mode takes row blocks of the whole vocabulary)
+    options = compile_options(ce_vocab_chunk=7, ce_loss_aware=False)
+    fn = torch.compile(loss, backend="tilecompile", options=options, fullgraph=True)
     fn(h, w, y).backward()
     assert tilecompile.report().counts["fused_linear_ce"] == 1
     assert requested and set(requested) == {7}, requested
