@@ -225,8 +225,8 @@ class _Analysis:
         self.r = _Region(linear)
         self.position = position
         self.bases: dict[tuple, fx.Node] = {}
-        # preallocated buffers written with parts of region values: buffer -> [(rows written, value, its user)]
-        self.buffers: dict[fx.Node, list[tuple[G.DimSlice, Any, fx.Node]]] = {}
+        # preallocated buffers written with parts of region values: buffer -> [(rows, value, buffer's user, node)]
+        self.buffers: dict[fx.Node, list[tuple[G.DimSlice | None, Any, fx.Node, fx.Node]]] = {}
         self.wake: list[fx.Node] = []  # nodes to visit that are not users of the node just classified
 
     # --- entry
@@ -267,9 +267,9 @@ class _Analysis:
         name = G.op(node)
         x = G.arg(node, 0, "input")
         for a in node.all_input_nodes:
-            if a in self.buffers and a not in r.values:
+            if a in self.buffers and a not in r.values and not _is_write(node, a):
                 if _writes_through(node):
-                    return None  # the slice a later copy_ writes into; classified with it
+                    return None  # the slice a later copy_ writes into; classified with the copy_
                 self.read_buffer(a, node)
         xv = r.values.get(x) if isinstance(x, fx.Node) else None
 
@@ -369,8 +369,8 @@ class _Analysis:
             if name == "stack":
                 where.append((c, k, k + 1, False))
                 continue
-            size = G.hint((G.shape(item) or ())[c]) if c < _ndim(item) else None
-            if size is None:
+            size = G.shape(item)[c] if c < _ndim(item) else None
+            if not isinstance(size, int):
                 return None
             where.append((c, offset, offset + size, True))
             offset += size
@@ -395,7 +395,7 @@ class _Analysis:
                 return None
         else:
             rows, user = None, node
-        self.buffers.setdefault(buffer, []).append((rows, v, user))
+        self.buffers.setdefault(buffer, []).append((rows, v, user, value))
         self.wake.extend(buffer.users)
         return Write(buffer)
 
@@ -404,7 +404,7 @@ class _Analysis:
         before, and never after; _Reject otherwise."""
         r = self.r
         writes = self.buffers[buffer]
-        written = {user for _, _, user in writes}
+        written = {user for _, _, user, _ in writes}
         at = self.position[reader]
         for u in buffer.users:
             if u in written:
@@ -414,13 +414,15 @@ class _Analysis:
                 what = "written with values not computed from these logits" if _is_write(u, buffer) else "read"
                 raise _Reject(f"buffer {buffer.name} is {what} by {u.name} before all its rows are written")
             elif _is_write(u, buffer) or (G.is_inplace(u) and u.args[0] is buffer):
-                raise _Reject(f"buffer {buffer.name} is written again by {u.name} after it is read")
-        if len(writes) == 1 and writes[0][0] is None:  # buffer.copy_(value): the whole buffer at once
-            value, rows = writes[0][1], G.shape(writes[0][2].args[1])
+                raise _Reject(f"buffer {buffer.name} is read by {reader.name} before {u.name} writes into it")
+        first = writes[0][0]
+        if len(writes) == 1 and (first is None or (first.keep, first.start, first.stop) == (True, 0, _extent(first))):
+            value, rows = writes[0][1], G.shape(writes[0][3])  # the whole buffer at once
+            r.joins.append("buffer")
         else:
-            if any(rows is None for rows, _, _ in writes):
+            if any(rows is None for rows, _, _, _ in writes):
                 raise _Reject(f"buffer {buffer.name} is written whole and in parts")
-            items = [((rows.dim, rows.start, rows.stop, rows.keep), v) for rows, v, _ in writes]
+            items = [((rows.dim, rows.start, rows.stop, rows.keep), v) for rows, v, _, _ in writes]
             value = self.join(buffer, "buffer", items)
             if value is None:
                 raise _Reject(f"buffer {buffer.name} is written with values that are not parts of the logits' rows")
@@ -429,7 +431,7 @@ class _Analysis:
         if not _equal_sizes(G.shape(buffer), tuple(rows)):
             raise _Reject(f"buffer {buffer.name} of shape {G.shape(buffer)} is not the shape {tuple(rows)} of its rows")
         r.values[buffer] = value
-        first = min((r.order.index(user) for _, _, user in writes), default=len(r.order))
+        first = min((r.order.index(user) for _, _, user, _ in writes), default=len(r.order))
         r.order.insert(first, buffer)
 
     def part(self, v: Any) -> G.DimSlice | None:
@@ -460,13 +462,9 @@ class _Analysis:
         parent = cuts[0].source
         if any(c.source is not parent for c in cuts):
             raise _Reject(f"{where} joins rows of different views of the logits")
-        for (lands, _), c in zip(items, cuts):
-            if lands != (c.dim, c.start, c.stop, c.keep):
-                raise _Reject(
-                    f"{where} puts rows {c.start}:{c.stop} (dim {c.dim}) of {parent.name} at {lands[1]}:{lands[2]} "
-                    f"(dim {lands[0]}): only the rows in their own order are understood"
-                )
-        extent = G.hint(G.shape(parent)[cuts[0].dim])
+        if len({(c.dim, c.keep) for c in cuts}) != 1:
+            raise _Reject(f"{where} joins parts of {parent.name} cut along different dims")
+        extent = G.shape(parent)[cuts[0].dim]
         covered = 0
         for start, stop in sorted((c.start, c.stop) for c in cuts):
             if start < covered:
@@ -476,6 +474,12 @@ class _Analysis:
             covered = stop
         if covered != extent:
             raise _Reject(f"{where} leaves rows {covered}:{extent} of {parent.name} out")
+        for (lands, _), c in zip(items, cuts):
+            if lands != (c.dim, c.start, c.stop, c.keep):
+                raise _Reject(
+                    f"{where} puts rows {c.start}:{c.stop} (dim {c.dim}) of {parent.name} at {lands[1]}:{lands[2]} "
+                    f"(dim {lands[0]}): only the rows in their own order are understood"
+                )
         merged = None
         for (_, v), c in zip(items, cuts):
             whole = self.whole(v, c)
@@ -810,6 +814,10 @@ _ALLOCS = frozenset(
 )
 
 
+def _extent(cut: G.DimSlice) -> int:
+    return G.shape(cut.source)[cut.dim]
+
+
 def _is_write(node: fx.Node, buffer: fx.Node) -> bool:
     """``buffer[i] = v`` or ``buffer[i].copy_(v)``."""
     if node.op == "call_function" and node.target is operator.setitem and node.args[0] is buffer:
@@ -955,9 +963,19 @@ def _static(shape: tuple | None) -> bool:
 
 
 def _core(replay: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
-    """``replay`` without its trailing reshapes (which change the logits' leading shape, not their rows' order)."""
-    while replay and G.op(replay[-1]) in _RESHAPES and _static(G.shape(replay[-1])):
+    """``replay`` without its trailing reshapes (which change the logits' leading shape, not their rows' order) and
+    slices that keep every row (``z[:, :]``, the one chunk of ``split(k)`` when k covers them all)."""
+    while replay:
+        last = replay[-1]
+        if G.op(last) in _RESHAPES and _static(G.shape(last)):
+            replay = replay[:-1]
+            continue
+        cut = G.as_dim_slice(last)
+        if cut is None or not cut.keep or (cut.start, cut.stop) != (0, G.shape(cut.source)[cut.dim]):
+            break
         replay = replay[:-1]
+        if replay and replay[-1] is last.args[0] and G.op(replay[-1]) in G.SPLIT_OPS:
+            replay = replay[:-1]
     return replay
 
 

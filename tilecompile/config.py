@@ -49,6 +49,8 @@ _SPECS: dict[str, _Spec] = {
     "ce_vocab_chunk": _Spec(int, 0, "vocab columns per chunk in the fused CE op (0: automatic)"),
     # fused_linear_ce: check labels on CUDA (one device-side check and a host sync per call)
     "check_inputs": _Spec(bool, False, "validate labels on CUDA (costs a host sync per call)"),
+    # Dynamo: a failing import inside compiled code raises ImportError there, as in Python (dynamo_compat.py)
+    "trace_import_errors": _Spec(bool, True, "a failing import in compiled code raises ImportError in the graph"),
 }
 
 _ALIASES = {f"TILECOMPILE_{name.upper()}": name for name in _SPECS}
@@ -100,6 +102,7 @@ class Settings:
     mlp_grad_accum: str
     ce_vocab_chunk: int
     check_inputs: bool
+    trace_import_errors: bool
 
     def pass_enabled(self, pass_name: str) -> bool:
         return bool(getattr(self, pass_name))

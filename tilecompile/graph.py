@@ -422,8 +422,8 @@ def _split_item(node: fx.Node, parent: fx.Node, index: Any) -> DimSlice | None:
     dim = arg(parent, 2, "dim", 0)
     src_shape = shape(src) if isinstance(src, fx.Node) else None
     d = normalize_dim(dim, len(src_shape or ()))
-    size = hint(src_shape[d]) if src_shape and d is not None and 0 <= d < len(src_shape) else None
-    if size is None or not isinstance(index, int) or index < 0:
+    size = src_shape[d] if src_shape and d is not None and 0 <= d < len(src_shape) else None
+    if not isinstance(size, int) or not isinstance(index, int) or index < 0:
         return None
     if name == "chunk":
         chunks = arg(parent, 1, "chunks")
@@ -456,8 +456,8 @@ def _dim_slice(node: fx.Node, src: Any, dim: Any, start: Any, stop: Any, keep: b
     d = normalize_dim(dim, len(src_shape or ()))
     if d is None or not 0 <= d < len(src_shape):
         return None
-    size = hint(src_shape[d])
-    if size is None or not isinstance(start, int) or not isinstance(stop, int | None):
+    size = src_shape[d]  # a symbolic size: rows proven at its hint need not be those of a later call
+    if not isinstance(size, int) or not isinstance(start, int) or not isinstance(stop, int | None):
         return None
     if not keep and not -size <= start < size:
         return None  # an int index out of range: eager raises
