@@ -523,12 +523,12 @@ class _Analysis:
         v: Chain = self.r.values[node]
         static = _static(G.shape(node))
         replay = _core(v.replay) if static else v.replay
-        return self.bases.setdefault((replay, v.scale, v.tensor_scales, static), node)
+        return self.bases.setdefault((_rows_key(replay), v.scale, v.tensor_scales, static), node)
 
     def reshaped_base(self, node: fx.Node, base: fx.Node) -> fx.Node:
         c = self.r.chain(base)
         chain = Chain((*c.replay, node), c.scale, c.tensor_scales)
-        new = self.bases.setdefault((chain.replay, chain.scale, chain.tensor_scales, False), node)
+        new = self.bases.setdefault((_rows_key(chain.replay), chain.scale, chain.tensor_scales, False), node)
         self.r.chains.setdefault(new, chain)
         return new
 
@@ -977,6 +977,11 @@ def _core(replay: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
         if replay and replay[-1] is last.args[0] and G.op(replay[-1]) in G.SPLIT_OPS:
             replay = replay[:-1]
     return replay
+
+
+def _rows_key(replay: tuple[fx.Node, ...]) -> tuple:
+    """What ``replay`` computes, not which nodes: ``z[i]`` written twice is two getitem nodes of the same rows."""
+    return tuple((n.op, n.target, str(n.args[1:]), str(n.kwargs)) for n in replay)
 
 
 def _canonical_labels(labels: fx.Node) -> fx.Node:
