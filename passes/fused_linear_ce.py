@@ -387,14 +387,25 @@ class _Analysis:
             return None
         if isinstance(index, G.DimSlice):  # a copy_ through the slice index.node
             rows, user = index, index.node
-            r.values[user] = Write(buffer)
-            r.order.append(user)
         elif node.op == "call_function" and node.target is operator.setitem:
             rows, user = G.index_slice(node, buffer, index), node
             if rows is None:
                 return None
         else:
             rows, user = None, node
+        want = list(G.shape(buffer) or ())
+        if rows is not None:
+            want[rows.dim : rows.dim + 1] = [rows.stop - rows.start] if rows.keep else []
+        if not _equal_sizes(G.shape(value), tuple(want)):
+            return None  # a broadcasting write: not one value per row
+        if G.dtype(buffer) != G.dtype(value):
+            raise _Reject(
+                f"{node.name} writes {G.dtype(value)} values into buffer {buffer.name} of {G.dtype(buffer)}, which "
+                "rounds them (the fused op's values would not be rounded)"
+            )
+        if user is not node:  # the slice the copy_ writes through goes with it
+            r.values[user] = Write(buffer)
+            r.order.append(user)
         self.buffers.setdefault(buffer, []).append((rows, v, user, value))
         self.wake.extend(buffer.users)
         return Write(buffer)
@@ -822,7 +833,7 @@ def _is_write(node: fx.Node, buffer: fx.Node) -> bool:
     """``buffer[i] = v`` or ``buffer[i].copy_(v)``."""
     if node.op == "call_function" and node.target is operator.setitem and node.args[0] is buffer:
         return True
-    return node.args[0] is buffer and _writes_through(node)
+    return bool(node.args) and node.args[0] is buffer and _writes_through(node)
 
 
 def _writes_through(node: fx.Node) -> bool:

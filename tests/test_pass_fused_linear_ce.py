@@ -781,6 +781,14 @@ def foreign_write(m, h, y):
     return z.gather(-1, y.view(-1, 1)).squeeze(-1) - out
 
 
+def rounding_buffer(m, h, y):
+    z = m.lm_head(h).view(-1, V)
+    out = torch.zeros(z.shape[0], dtype=torch.bfloat16)
+    out[0:8] = torch.logsumexp(z[0:8], -1)
+    out[8:] = torch.logsumexp(z[8:], -1)
+    return z.gather(-1, y.view(-1, 1)).squeeze(-1) - out
+
+
 def labels_of_other_rows(m, h, y):
     z = m.lm_head(h)
     return torch.cat([lp_of(z[:, :3], y[:, 1:4]), lp_of(z[:, 3:], y[:, 3:])], dim=1)
@@ -796,6 +804,7 @@ def labels_of_other_rows(m, h, y):
         (read_before_written, "before setitem_1 writes into it"),
         (foreign_write, "written with values not computed from these logits"),
         (labels_of_other_rows, "labels of a part"),
+        (rounding_buffer, "which rounds them"),
     ],
 )
 def test_row_parts_that_are_not_a_partition_are_left_alone(spelling, reason):
