@@ -20,7 +20,9 @@ peak memory (``max_memory_allocated`` over the timed steps, weights and grads in
 lm_head rewrites and fused calls, and the loss. Results go to a CSV with the GPU name, torch / triton / transformers
 / TRL versions and the date. The issue's bar: trl-torch within 5% of verl in tokens/s and peak memory.
 
-TRL is optional: without it the trl rows are skipped with a note (install the TRL wheel carried with the project).
+TRL is optional: without it the trl rows are skipped with a note. On a machine without network, install the wheels
+carried with the project: ``python3 -m pip install --no-deps trl-*.whl`` (``trl.trainer.utils`` also imports
+``datasets``, which needs ``dill`` and ``multiprocess``: their wheels too where they are missing).
 
 usage: python3 benchmarks/bench_rl_logprob.py [--tokens 16384] [--layers 28] [--repeats 3]
            [--variants verl,trl,trl-torch] [--csv PATH]
@@ -168,10 +170,13 @@ def main() -> None:
 
     variants = args.variants.split(",")
     try:
+        import trl.trainer.utils  # noqa: F401 - it imports datasets (and so dill, multiprocess) too
+
         trl_version = importlib.metadata.version("trl")
-    except importlib.metadata.PackageNotFoundError:
+    except ImportError as exc:
         trl_version = ""
-        print("TRL is not installed: no trl rows (pip install the TRL wheel carried with the project)", flush=True)
+        print(f"TRL cannot be imported ({exc}): no trl rows; install the TRL wheel carried with the project "
+              "(pip install --no-deps trl-*.whl; datasets, dill and multiprocess too if missing)")  # fmt: skip
         variants = [v for v in variants if not v.startswith("trl")]
 
     model, _ = build("1.5b", args.tiny, args.layers, True, False, device)
