@@ -9,8 +9,12 @@ chain, a vocab-sized linear form ``a·z + b·lse + c`` (log_softmax is ``z − l
 or a per-row combination of lse, z_y (gather), Σp·z (sum of p times a form) and masked CE terms. Any spelling
 that reduces to these forms matches: ``log_softmax(z).gather(y)``, ``z.gather(y) − logsumexp(z)``,
 ``-F.cross_entropy(z, y, reduction="none")``, ``logsumexp(z) − Σ softmax(z)·z``, ``−Σ softmax(z)·log_softmax(z)``,
-``−Σ exp(logp)·logp``, ``F.cross_entropy(..., reduction="mean"|"sum", ignore_index=k)``, ``F.nll_loss``, and
-``torch.stack([f(z[0]), f(z[1]), ...])`` of such values row by row (TRL's selective_log_softmax).
+``−Σ exp(logp)·logp``, ``F.cross_entropy(..., reduction="mean"|"sum", ignore_index=k)`` and ``F.nll_loss``.
+Row parts: the same math on parts of the rows (``z[i]``, ``z[a:b]``, ``split``/``chunk``/``unbind``/``narrow`` along a
+leading dim) joined back by ``torch.cat`` / ``torch.stack``, or written into a fresh buffer (``buf[a:b] = f(...)``,
+``buf[a:b].copy_(...)``) whose every row is written once before it is read, is that math on all the rows: TRL's
+row-by-row selective_log_softmax and chunked entropy_from_logits, OpenRLHF's chunked logsumexp. Parts that do not
+partition the rows (a row twice, a row left out, out of order, read before written) are skipped with the reason.
 Check: a per-row value that leaves the region must be ``α·logp + β·H (+ const)`` (its lse coefficients cancel);
 logits or vocab-sized values must not leave it (returned, argmax, sampling, ...). Each check returns a reason.
 Rewrite: views/slices on the logits are replayed on h (``logits[:, :-1]`` becomes ``h[:, :-1]``), one op call per
@@ -27,6 +31,7 @@ checkpoint's body; logits passed into a checkpoint (or any higher-order op) are 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import math
@@ -107,6 +112,22 @@ class Reduced:
     reduction: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """The tuple of a ``split`` / ``chunk`` / ``unbind`` of the chain node ``parent`` along a leading dim: each item
+    (a getitem) is a chain node of its own, whose rows are a slice of the parent's."""
+
+    parent: fx.Node
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    """A write of a region value into rows of the preallocated ``buffer`` (``buf[i:j] = v``, ``buf[i:j].copy_(v)``),
+    or the slice of the buffer such a ``copy_`` writes through."""
+
+    buffer: fx.Node
+
+
 def _combine(x: tuple, y: tuple, sy: float = 1.0) -> tuple:
     out: dict[Any, float] = dict(x)
     for k, v in y:
@@ -142,6 +163,7 @@ class _Region:
     rejected: str | None = None
     # bases that are not chain nodes: a dynamic reshape of a log-softmax, whose rows are the chain's rows reshaped
     chains: dict[fx.Node, Chain] = dataclasses.field(default_factory=dict)
+    joins: list[str] = dataclasses.field(default_factory=list)  # "cat", "stack", "setitem": rows joined from parts
 
     def chain(self, base: fx.Node) -> Chain | None:
         v = self.values.get(base)
@@ -204,6 +226,9 @@ class _Analysis:
         self.r = _Region(linear)
         self.position = position
         self.bases: dict[tuple, fx.Node] = {}
+        # preallocated buffers written with parts of region values: buffer -> [(rows, value, buffer's user, node)]
+        self.buffers: dict[fx.Node, list[tuple[G.DimSlice | None, Any, fx.Node, fx.Node]]] = {}
+        self.wake: list[fx.Node] = []  # nodes to visit that are not users of the node just classified
 
     # --- entry
     def run(self) -> _Region:
@@ -218,6 +243,8 @@ class _Analysis:
         seen = set(lin.users)
         while todo:
             _, node = heapq.heappop(todo)
+            if node in r.values:  # the slice a copy_ writes through, classified with the copy_
+                continue
             try:
                 value = self.classify(node)
             except _Reject as exc:
@@ -228,10 +255,11 @@ class _Analysis:
             if value != "inplace":
                 r.values[node] = value
                 r.order.append(node)
-            for u in node.users:
+            for u in (*node.users, *self.wake):
                 if u not in seen:
                     seen.add(u)
                     heapq.heappush(todo, (self.position[u], u))
+            self.wake.clear()
         return r
 
     # --- classification of one node whose inputs include region values
@@ -239,7 +267,23 @@ class _Analysis:
         r = self.r
         name = G.op(node)
         x = G.arg(node, 0, "input")
+        for a in node.all_input_nodes:
+            if a in self.buffers and a not in r.values and not _is_write(node, a):
+                if _writes_through(node):
+                    return None  # the slice a later copy_ writes into; classified with the copy_
+                self.read_buffer(a, node)
         xv = r.values.get(x) if isinstance(x, fx.Node) else None
+
+        if node.op == "call_function" and node.target is operator.setitem and len(node.args) == 3:
+            return self.write(node, node.args[0], node.args[2], node.args[1])
+        if name == "copy_" and len(node.args) == 2 and not node.kwargs and isinstance(x, fx.Node):
+            dest = G.as_dim_slice(x)
+            if dest is not None and _writes_through(x):
+                return self.write(node, dest.source, node.args[1], dest)
+            return self.write(node, x, node.args[1], None)
+        if isinstance(xv, Parts) and name == "getitem":
+            pc = r.values[xv.parent]
+            return Chain((*pc.replay, x, node), pc.scale, pc.tensor_scales)
 
         if name in ("mul", "div") and len(node.args) == 2 and not node.kwargs:
             a, b = node.args
@@ -302,51 +346,184 @@ class _Analysis:
             # the same under dynamic shapes, where sizes cannot be compared: the reshape joins the base's chain
             # (replayed on h), so that the rows of the new base are the rows of this view
             return Vocab(self.reshaped_base(node, xv.base), xv.form, xv.soft)
-        if name == "stack":
-            return self.stack_rows(node)
+        if name in _JOINS:
+            return self.joined(node, _JOINS[name])
         return None
 
-    def stack_rows(self, node: fx.Node) -> Row | None:
-        """``torch.stack([f(z[0]), f(z[1]), ...])`` of one per-row value is ``f(z)`` (TRL's selective_log_softmax)."""
+    # --- rows joined from parts: split / chunk / slices of the logits along a leading dim -> cat / stack / buffer
+    def joined(self, node: fx.Node, name: str) -> Row | Vocab | None:
+        """``torch.cat`` / ``torch.stack`` of per-part values: ``cat([f(z[0:5]), f(z[5:9])])`` is ``f(z)``."""
         r = self.r
         items, dim = G.arg(node, 0, "tensors"), G.arg(node, 1, "dim", 0)
-        if not isinstance(items, list | tuple) or not items or dim != 0:
+        if not isinstance(items, list | tuple) or not items or not all(isinstance(i, fx.Node) for i in items):
             return None
-        parent, merged, keepdim = None, None, None
-        for i, item in enumerate(items):
-            v = r.values.get(item) if isinstance(item, fx.Node) else None
-            chain = r.chain(v.base) if isinstance(v, Row) else None
-            if not isinstance(chain, Chain) or not chain.replay:
+        values = [r.values.get(i) for i in items]
+        if not all(isinstance(v, Row | Vocab) for v in values):
+            return None
+        if name == "cat" and len(items) == 1:
+            return values[0]  # a copy
+        c = G.normalize_dim(dim, _ndim(node))
+        if c is None:
+            return None
+        where, offset = [], 0
+        for k, item in enumerate(items):
+            if name == "stack":
+                where.append((c, k, k + 1, False))
+                continue
+            size = G.shape(item)[c] if c < _ndim(item) else None
+            if not isinstance(size, int):
                 return None
-            core = _core(chain.replay)
-            row = core[-1] if core else None
-            if G.op(row) != "getitem" or row.args[1] != i or not isinstance(r.values.get(row.args[0]), Chain):
+            where.append((c, offset, offset + size, True))
+            offset += size
+        return self.join(node, name, list(zip(where, values)))
+
+    def write(self, node: fx.Node, buffer: Any, value: Any, index: Any) -> Write | None:
+        """``buffer[index] = value`` or ``buffer[index].copy_(value)`` (``index`` a DimSlice, or None for the whole
+        buffer) of a region value into a freshly allocated buffer; it becomes a region value when first read."""
+        r = self.r
+        v = r.values.get(value) if isinstance(value, fx.Node) else None
+        if not isinstance(v, Row | Vocab) or not isinstance(buffer, fx.Node) or G.op(buffer) not in _ALLOCS:
+            return None
+        if node.users:
+            return None
+        if isinstance(index, G.DimSlice):  # a copy_ through the slice index.node
+            rows, user = index, index.node
+        elif node.op == "call_function" and node.target is operator.setitem:
+            rows, user = G.index_slice(node, buffer, index), node
+            if rows is None:
                 return None
-            if parent is not None and row.args[0] is not parent:
-                return None
-            parent = row.args[0]
-            pc = r.values[parent]
-            if core[:-1] != pc.replay or (chain.scale, chain.tensor_scales) != (pc.scale, pc.tensor_scales):
-                return None
-            terms = []
-            for k, c in v.terms:
-                if isinstance(k, tuple) and k[0] == "zy":
-                    labels = k[1]
-                    if G.op(labels) != "getitem" or labels.args[1] != i:
-                        return None
-                    k = ("zy", labels.args[0])
-                elif isinstance(k, tuple):
+        else:
+            rows, user = None, node
+        want = list(G.shape(buffer) or ())
+        if rows is not None:
+            want[rows.dim : rows.dim + 1] = [rows.stop - rows.start] if rows.keep else []
+        if not _equal_sizes(G.shape(value), tuple(want)):
+            return None  # a broadcasting write: not one value per row
+        if G.dtype(buffer) != G.dtype(value):
+            raise _Reject(
+                f"{node.name} writes {G.dtype(value)} values into buffer {buffer.name} of {G.dtype(buffer)}, which "
+                "rounds them (the fused op's values would not be rounded)"
+            )
+        if user is not node:  # the slice the copy_ writes through goes with it
+            r.values[user] = Write(buffer)
+            r.order.append(user)
+        self.buffers.setdefault(buffer, []).append((rows, v, user, value))
+        self.wake.extend(buffer.users)
+        return Write(buffer)
+
+    def read_buffer(self, buffer: fx.Node, reader: fx.Node) -> None:
+        """The first read of a buffer written with parts: its value when every row was written exactly once
+        before, and never after; _Reject otherwise."""
+        r = self.r
+        writes = self.buffers[buffer]
+        written = {user for _, _, user, _ in writes}
+        at = self.position[reader]
+        for u in buffer.users:
+            if u in written:
+                if self.position[u] > at:
+                    raise _Reject(f"buffer {buffer.name} is read by {reader.name} before {u.name} writes into it")
+            elif self.position[u] < at:
+                what = "written with values not computed from these logits" if _is_write(u, buffer) else "read"
+                raise _Reject(f"buffer {buffer.name} is {what} by {u.name} before all its rows are written")
+            elif _is_write(u, buffer) or (G.is_inplace(u) and u.args[0] is buffer):
+                raise _Reject(f"buffer {buffer.name} is read by {reader.name} before {u.name} writes into it")
+        first = writes[0][0]
+        if len(writes) == 1 and (first is None or (first.keep, first.start, first.stop) == (True, 0, _extent(first))):
+            value, rows = writes[0][1], G.shape(writes[0][3])  # the whole buffer at once
+            r.joins.append("buffer")
+        else:
+            if any(rows is None for rows, _, _, _ in writes):
+                raise _Reject(f"buffer {buffer.name} is written whole and in parts")
+            items = [((rows.dim, rows.start, rows.stop, rows.keep), v) for rows, v, _, _ in writes]
+            value = self.join(buffer, "buffer", items)
+            if value is None:
+                raise _Reject(f"buffer {buffer.name} is written with values that are not parts of the logits' rows")
+            lead = G.shape(self.part(writes[0][1]).source)
+            rows = lead if isinstance(value, Vocab) else (*lead[:-1], *((1,) if value.keepdim else ()))
+        if not _equal_sizes(G.shape(buffer), tuple(rows)):
+            raise _Reject(f"buffer {buffer.name} of shape {G.shape(buffer)} is not the shape {tuple(rows)} of its rows")
+        r.values[buffer] = value
+        first = min((r.order.index(user) for _, _, user, _ in writes), default=len(r.order))
+        r.order.insert(first, buffer)
+
+    def part(self, v: Any) -> G.DimSlice | None:
+        """The rows of a chain node (``cut.source``) that the Row or Vocab value ``v`` is computed from: a slice
+        along a leading dim, however spelled (``z[i]``, ``z[a:b]``, ``z.split(k)[i]``, ``narrow``, ...)."""
+        r = self.r
+        chain = r.chain(v.base) if isinstance(v, Row | Vocab) else None
+        core = _core(chain.replay) if chain is not None else ()
+        cut = G.as_dim_slice(core[-1]) if core else None
+        parent = r.values.get(cut.source) if cut is not None else None
+        if not isinstance(parent, Chain) or cut.dim >= _ndim(cut.source) - 1:
+            return None
+        split = G.op(core[-1]) == "getitem" and G.op(core[-1].args[0]) in G.SPLIT_OPS
+        if core[: len(core) - 1 - split] != parent.replay:
+            return None
+        if (chain.scale, chain.tensor_scales) != (parent.scale, parent.tensor_scales):
+            return None
+        return cut
+
+    def join(self, node: fx.Node, what: str, items: list[tuple[tuple, Any]]) -> Row | Vocab | None:
+        """One value from parts ``(where, value)``, ``where`` = (dim, start, stop, keep) the rows the part lands on:
+        the same math on a partition of one chain node's rows is that math on all of them. None when the values
+        are not all computed from rows of the logits; _Reject when they are but do not partition them."""
+        cuts = [self.part(v) for _, v in items]
+        if any(c is None for c in cuts):
+            return None
+        where = f"{what} {node.name}"
+        parent = cuts[0].source
+        if any(c.source is not parent for c in cuts):
+            raise _Reject(f"{where} joins rows of different views of the logits")
+        if len({(c.dim, c.keep) for c in cuts}) != 1:
+            raise _Reject(f"{where} joins parts of {parent.name} cut along different dims")
+        extent = G.shape(parent)[cuts[0].dim]
+        covered = 0
+        for start, stop in sorted((c.start, c.stop) for c in cuts):
+            if start < covered:
+                raise _Reject(f"{where} has rows {start}:{min(stop, covered)} of {parent.name} more than once")
+            if start > covered:
+                raise _Reject(f"{where} leaves rows {covered}:{start} of {parent.name} out")
+            covered = stop
+        if covered != extent:
+            raise _Reject(f"{where} leaves rows {covered}:{extent} of {parent.name} out")
+        for (lands, _), c in zip(items, cuts):
+            if lands != (c.dim, c.start, c.stop, c.keep):
+                raise _Reject(
+                    f"{where} puts rows {c.start}:{c.stop} (dim {c.dim}) of {parent.name} at {lands[1]}:{lands[2]} "
+                    f"(dim {lands[0]}): only the rows in their own order are understood"
+                )
+        merged = None
+        for (_, v), c in zip(items, cuts):
+            whole = self.whole(v, c)
+            if whole is None:
+                raise _Reject(f"{where}: the labels of a part are not the same rows of one labels tensor")
+            key = (type(whole), whole.base, dict(whole.terms if isinstance(whole, Row) else whole.form))
+            flags = whole.keepdim if isinstance(whole, Row) else whole.soft
+            if merged is not None and (key, flags) != merged[1]:
+                raise _Reject(f"{where} joins parts that compute different things")
+            merged = (whole, (key, flags))
+        self.r.joins.append(what)
+        return merged[0]
+
+    def whole(self, v: Row | Vocab, cut: G.DimSlice) -> Row | Vocab | None:
+        """``v`` (computed from the rows ``cut`` of a chain node) as the value over all the rows: the same
+        coefficients, the labels of its log-prob terms replaced by the labels tensor they are the same rows of."""
+        base = self.base_of(cut.source)
+        if isinstance(v, Vocab):
+            return Vocab(base, v.form, v.soft)
+        lead = G.shape(cut.source)[:-1]
+        terms = []
+        for k, coef in v.terms:
+            if isinstance(k, tuple):
+                lc = G.as_dim_slice(k[1])
+                if lc is None or (lc.dim, lc.start, lc.stop, lc.keep) != (cut.dim, cut.start, cut.stop, cut.keep):
                     return None
-                terms.append((k, c))
-            if merged is not None and (dict(terms) != dict(merged) or v.keepdim != keepdim):
-                return None
-            merged, keepdim = terms, v.keepdim
-        if G.hint((G.shape(parent) or (None,))[0]) != len(items):
-            return None
-        for k, _ in merged:
-            if isinstance(k, tuple) and not _same_shape(G.shape(k[1]), G.shape(parent)[:-1]):
-                return None
-        return Row(self.base_of(parent), tuple(merged), keepdim)
+                labels = _canonical_labels(_labels_of(lc.source) or lc.source)
+                if not _equal_sizes(G.shape(labels), lead):
+                    return None
+                k = (k[0], labels, *k[2:])
+            terms.append((k, coef))
+        return Row(base, tuple(terms), v.keepdim)
 
     def _float_dtype_arg(self, node: fx.Node) -> bool:
         dtypes = [a for a in (*node.args[2:], node.kwargs.get("dtype")) if isinstance(a, torch.dtype)]
@@ -358,12 +535,12 @@ class _Analysis:
         v: Chain = self.r.values[node]
         static = _static(G.shape(node))
         replay = _core(v.replay) if static else v.replay
-        return self.bases.setdefault((replay, v.scale, v.tensor_scales, static), node)
+        return self.bases.setdefault((_rows_key(replay), v.scale, v.tensor_scales, static), node)
 
     def reshaped_base(self, node: fx.Node, base: fx.Node) -> fx.Node:
         c = self.r.chain(base)
         chain = Chain((*c.replay, node), c.scale, c.tensor_scales)
-        new = self.bases.setdefault((chain.replay, chain.scale, chain.tensor_scales, False), node)
+        new = self.bases.setdefault((_rows_key(chain.replay), chain.scale, chain.tensor_scales, False), node)
         self.r.chains.setdefault(new, chain)
         return new
 
@@ -383,11 +560,15 @@ class _Analysis:
             return xv if target in _FLOAT_DTYPES else None
         if name == "contiguous":
             return xv
-        if G.is_inplace(node) and node.op == "call_method" and node.target in ("div_", "mul_"):
+        if node.target in ("div_", "mul_", operator.itruediv, operator.imul):
             return self.inplace_scale(node, x, xv)
-        if name in G.VIEW_OPS or name == "getitem" or name == "unflatten":
+        if name in G.VIEW_OPS or name in ("getitem", "unflatten", "narrow", "select"):
             if self.leading_only(node, name, x):
                 return Chain((*xv.replay, node), xv.scale, xv.tensor_scales)
+        if name in G.SPLIT_OPS and x is node.args[0]:
+            dim = G.normalize_dim(G.arg(node, 1 if name == "unbind" else 2, "dim", 0), _ndim(x))
+            if dim is not None and 0 <= dim < _ndim(x) - 1:
+                return Parts(x)
         return None
 
     def scaled(self, xv: Chain, name: str, other: Any) -> Chain | None:
@@ -414,7 +595,7 @@ class _Analysis:
     def inplace_scale(self, node: fx.Node, x: fx.Node, xv: Chain) -> str:
         r = self.r
         scaled = self.scaled(
-            xv, "mul" if node.target == "mul_" else "div", node.args[1] if len(node.args) > 1 else None
+            xv, "mul" if node.target in ("mul_", operator.imul) else "div", node.args[1] if len(node.args) > 1 else None
         )
         if scaled is None or len(node.args) != 2 or node.kwargs:
             raise _Reject(f"in-place {node.target} on the logits ({node.name}) is not a temperature")
@@ -469,6 +650,9 @@ class _Analysis:
             return bool(dims) and G.normalize_dim(list(dims)[-1], nd) == nd - 1
         if name == "getitem":
             return _leading_index(node.args[1], nd)
+        if name in ("narrow", "select"):
+            cut = G.as_dim_slice(node)
+            return cut is not None and cut.dim < nd - 1
         return False
 
     # --- consumers
@@ -635,6 +819,32 @@ def _scale_value(v: Any, s: float | None) -> Any:
     return None
 
 
+_JOINS = {"cat": "cat", "concat": "cat", "concatenate": "cat", "stack": "stack"}
+# fresh allocations: a buffer whose every row is written before it is read may start as any of them
+_ALLOCS = frozenset(
+    {"zeros", "empty", "ones", "full", "new_zeros", "new_empty", "new_ones", "new_full", "zeros_like", "empty_like"}
+)
+
+
+def _extent(cut: G.DimSlice) -> int:
+    return G.shape(cut.source)[cut.dim]
+
+
+def _is_write(node: fx.Node, buffer: fx.Node) -> bool:
+    """``buffer[i] = v`` or ``buffer[i].copy_(v)``."""
+    if node.op == "call_function" and node.target is operator.setitem and node.args[0] is buffer:
+        return True
+    return bool(node.args) and node.args[0] is buffer and _writes_through(node)
+
+
+def _writes_through(node: fx.Node) -> bool:
+    """``node`` is a slice that a ``copy_`` writes into (its only use)."""
+    if G.op(node) != "getitem" or len(node.users) != 1:
+        return False
+    user = next(iter(node.users))
+    return G.op(user) == "copy_" and user.args[0] is node
+
+
 def _view_sizes(node: fx.Node) -> list | None:
     if node.kwargs and set(node.kwargs) - {"shape", "size"}:
         return None
@@ -706,8 +916,10 @@ def _escapes(r: _Region) -> tuple[list[fx.Node], str | None]:
         if not outside:
             continue
         user = outside[0]
-        if isinstance(v, Chain | Vocab):
-            what = "the logits" if isinstance(v, Chain) else f"{_vocab_name(v)} {node.name} of the logits"
+        if isinstance(v, Write):
+            return out, f"{node.name}, a write into buffer {v.buffer.name}, is also {_describe_use(user)}"
+        if isinstance(v, Chain | Vocab | Parts):
+            what = f"{_vocab_name(v)} {node.name} of the logits" if isinstance(v, Vocab) else "the logits"
             if isinstance(user.target, torch._ops.HigherOrderOperator):
                 return out, (
                     f"{what} are passed into {user.target.name()} {user.name} (e.g. torch.utils.checkpoint around "
@@ -763,10 +975,25 @@ def _static(shape: tuple | None) -> bool:
 
 
 def _core(replay: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
-    """``replay`` without its trailing reshapes (which change the logits' leading shape, not their rows' order)."""
-    while replay and G.op(replay[-1]) in _RESHAPES and _static(G.shape(replay[-1])):
+    """``replay`` without its trailing reshapes (which change the logits' leading shape, not their rows' order) and
+    slices that keep every row (``z[:, :]``, the one chunk of ``split(k)`` when k covers them all)."""
+    while replay:
+        last = replay[-1]
+        if G.op(last) in _RESHAPES and _static(G.shape(last)):
+            replay = replay[:-1]
+            continue
+        cut = G.as_dim_slice(last)
+        if cut is None or not cut.keep or (cut.start, cut.stop) != (0, G.shape(cut.source)[cut.dim]):
+            break
         replay = replay[:-1]
+        if replay and replay[-1] is last.args[0] and G.op(replay[-1]) in G.SPLIT_OPS:
+            replay = replay[:-1]
     return replay
+
+
+def _rows_key(replay: tuple[fx.Node, ...]) -> tuple:
+    """What ``replay`` computes, not which nodes: ``z[i]`` written twice is two getitem nodes of the same rows."""
+    return tuple((n.op, n.target, str(n.args[1:]), str(n.kwargs)) for n in replay)
 
 
 def _canonical_labels(labels: fx.Node) -> fx.Node:
@@ -1058,11 +1285,13 @@ def _rewrite_region(
     temps = sorted({f"{temperature_of(r.chain(bn)):g}" for bn in calls})
     tensor_t = any(r.chain(bn).tensor_scales for bn in calls)
     spelled = dict.fromkeys(G.op(n) for n in r.order if G.op(n) in _SPELLING_OPS)
+    joins = ", ".join(f"{k}" if n == 1 else f"{k} (x{n})" for k, n in collections.Counter(r.joins).items())
     autocast = f"; autocast to {str(compute).replace('torch.', '')}" if compute != G.dtype(h) else ""
     detail = (
         f"{', '.join(dict.fromkeys(_output_name(r.values[n]) for n in escapes))} "
         f"(via {', '.join(spelled)}); temperature {'/'.join(temps)}"
-        f"{' (tensor, folded into h)' if tensor_t else ''}{autocast}; {n_calls} fused call(s)"
+        f"{' (tensor, folded into h)' if tensor_t else ''}{autocast}"
+        f"{f'; rows joined from parts by {joins}' if joins else ''}; {n_calls} fused call(s)"
         f"{f'; vocab-parallel over {vp.world} ranks (all_reduce max + sum of the row statistics)' if vp else ''}"
         f"{f'; {mode}' if mode else ''}"
     )

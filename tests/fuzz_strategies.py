@@ -55,7 +55,14 @@ CE_HEADS = {
     "nll_mean_reshaped_logp": (True, False),  # nll_loss(log_softmax(z).reshape(-1, V), y.reshape(-1))
     "ce_mean_and_entropy": (True, False),
     "trl_selective": (True, True),  # TRL's selective_log_softmax: per-row logsumexp / log_softmax, then stack
+    # row parts (static shapes only: a part of a symbolic dim is not provably a partition at the next size)
+    "entropy_split_cat": (True, False),  # TRL's entropy_from_logits: flatten, split(chunk), entropy, cat
+    "logp_lse_buffer": (True, True),  # OpenRLHF: gather − logsumexp of row chunks written into a zeros buffer
+    "chunk_cat_with_labels": (True, True),  # log-prob and entropy of z.chunk(k, -2) with labels.chunk(k, -1), cat
+    "entropy_rows_copy": (True, False),  # out[i].copy_(entropy(z[i])) into an empty buffer, row by row
 }
+CE_ROW_PARTS = ("entropy_split_cat", "logp_lse_buffer", "chunk_cat_with_labels", "entropy_rows_copy", "parts_gap",
+                "buffer_read_early")  # fmt: skip
 # near-misses: each computes something from the logits the fused op cannot (or must not) replace
 CE_NEAR_MISSES = {
     "logits_returned": True,  # log-prob, and the logits leave the graph too
@@ -65,6 +72,8 @@ CE_NEAR_MISSES = {
     "bias": True,  # lm_head with a bias (the fused op has none)
     "computed_weight": True,  # weight computed in the graph (W * 2), not a parameter
     "probs_returned": False,  # softmax(z) leaves the graph
+    "parts_gap": False,  # entropy of rows 0:1 and 2:, joined: row 1 left out (needs 3 rows)
+    "buffer_read_early": True,  # a logsumexp buffer read (summed) before its last rows are written
 }
 
 
@@ -80,6 +89,7 @@ class CESpec:
     shift: bool = False  # logits[:, :-1] against labels[:, 1:] ([B, T, D] only)
     ignore_index: int = -100
     autocast: bool = False  # the linear under torch.autocast("cpu", bfloat16) (fp32 inputs only)
+    chunk: int = 4  # rows per part (split, buffer) or number of parts (chunk) of the row-part heads
 
     @property
     def near_miss(self) -> bool:
@@ -89,7 +99,7 @@ class CESpec:
     def labels_all_valid(self) -> bool:
         if self.head in CE_HEADS:
             return CE_HEADS[self.head][1]
-        return self.head in ("logits_returned", "argmax_too", "bias", "computed_weight")
+        return self.head in ("logits_returned", "argmax_too", "bias", "computed_weight", "buffer_read_early")
 
     @property
     def fires(self) -> int:
@@ -202,6 +212,39 @@ class LMHead(nn.Module):
             for row_z, row_y in zip(z, labels):
                 rows.append(F.log_softmax(row_z, dim=-1).gather(dim=-1, index=row_y.unsqueeze(-1)).squeeze(-1))
             return (torch.stack(rows),)
+        if head == "entropy_split_cat":
+            parts = []
+            for chunk in z.reshape(-1, v).split(s.chunk, dim=0):
+                lp = F.log_softmax(chunk, dim=-1)
+                parts.append(-(torch.exp(lp) * lp).sum(-1))
+            return (torch.cat(parts, dim=0).reshape(z.shape[:-1]),)
+        if head in ("logp_lse_buffer", "buffer_read_early"):
+            picked = torch.gather(z, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+            flat = z.reshape(-1, v)
+            n = flat.shape[0]
+            chunk = s.chunk if head == "logp_lse_buffer" else max(1, n // 2)
+            lse = torch.zeros(n, device=z.device, dtype=z.dtype)
+            early = None
+            for i in range(0, n, chunk):
+                lse[i : i + chunk] = torch.logsumexp(flat[i : i + chunk], dim=-1)
+                early = lse.sum() if early is None and head == "buffer_read_early" else early
+            out = (picked - lse.view(labels.shape),)
+            return (*out, early) if early is not None else out
+        if head == "chunk_cat_with_labels":
+            zs, ys = z.chunk(s.chunk, dim=-2), labels.chunk(s.chunk, dim=-1)
+            logps = [F.log_softmax(c, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1) for c, y in zip(zs, ys)]
+            entropies = [torch.logsumexp(c, -1) - (torch.softmax(c, -1) * c).sum(-1) for c in zs]
+            return torch.cat(logps, dim=-1), torch.cat(entropies, dim=-1)
+        if head == "entropy_rows_copy":
+            flat = z.reshape(-1, v)
+            out = torch.empty(flat.shape[0], device=z.device, dtype=z.dtype)
+            for i in range(flat.shape[0]):
+                out[i].copy_(-(F.softmax(flat[i], -1) * F.log_softmax(flat[i], -1)).sum(-1))
+            return (out.view(z.shape[:-1]),)
+        if head == "parts_gap":
+            flat = z.reshape(-1, v)
+            p = torch.cat([F.softmax(flat[0:1], -1), F.softmax(flat[2:], -1)])
+            return (-(p * torch.cat([F.log_softmax(flat[0:1], -1), F.log_softmax(flat[2:], -1)])).sum(-1),)
         if head == "lse_alone":
             return (torch.logsumexp(z, dim=-1),)
         if head == "softmax_dim0":
@@ -401,8 +444,11 @@ def dtype_names(allow_low_precision: bool = True) -> st.SearchStrategy[str]:
 
 
 @st.composite
-def ce_specs(draw, *, near_miss: bool = False, shift_ok: bool = False, autocast_ok: bool = False) -> CESpec:
-    head = draw(st.sampled_from(sorted(CE_NEAR_MISSES if near_miss else CE_HEADS)))
+def ce_specs(
+    draw, *, near_miss: bool = False, shift_ok: bool = False, autocast_ok: bool = False, row_parts: bool = False
+) -> CESpec:
+    heads = CE_NEAR_MISSES if near_miss else CE_HEADS
+    head = draw(st.sampled_from(sorted(h for h in heads if h in CE_ROW_PARTS or not row_parts)))
     temperature = draw(st.sampled_from(CE_TEMPERATURES))
     t = 1.0 if temperature == "none" else draw(st.sampled_from([0.3, 0.7, 1.0, 1.5, 2.0]))
     return CESpec(
@@ -414,6 +460,7 @@ def ce_specs(draw, *, near_miss: bool = False, shift_ok: bool = False, autocast_
         shift=shift_ok and draw(st.booleans()),
         ignore_index=draw(st.sampled_from([-100, -100, -1, 0])),
         autocast=autocast_ok and draw(st.integers(0, 4)) == 0,
+        chunk=draw(st.sampled_from([1, 2, 3, 4, 7, 64])),
     )
 
 

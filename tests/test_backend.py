@@ -342,3 +342,43 @@ def test_dynamic_graphs_turn_off_inductor_mix_order_reduction(monkeypatch):
     torch.compile(fn, backend="tilecompile", dynamic=True, options=options)(torch.randn(5, 8))
     key = "triton.mix_order_reduction"
     assert [p.get(key) for p in seen] == [False, None, True], seen
+
+
+def _optional_fast_path(x):
+    y = x.cos()
+    try:
+        from tilecompile_no_such_module import fast  # noqa: F401 - absent: the fallback below runs
+    except ImportError:
+        return y.sin() * 2
+    return x
+
+
+def _required_module(x):
+    import tilecompile_no_such_module  # noqa: F401
+
+    return x
+
+
+def test_failed_import_in_compiled_code_is_traced_like_python():
+    """A failed import raises ImportError inside the graph (its except branch is traced): one graph, no break."""
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(5)
+    counters.clear()
+    out = torch.compile(_optional_fast_path, backend="tilecompile", options=compile_options())(x)
+    assert_close(out, x.cos().sin() * 2, rtol=0, atol=0)
+    assert tilecompile.report().graphs == 1 and counters["frames"]["total"] == 1, dict(counters["frames"])
+    with pytest.raises(ImportError, match="tilecompile_no_such_module"):  # unhandled: raised as eager raises it
+        torch.compile(_required_module, backend="tilecompile", options=compile_options())(x)
+
+
+def test_failed_import_breaks_the_graph_when_switched_off_and_for_other_backends():
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(5)
+    for backend, options in (("tilecompile", compile_options(trace_import_errors=False)), ("eager", None)):
+        torch._dynamo.reset()
+        counters.clear()
+        out = torch.compile(_optional_fast_path, backend=backend, options=options)(x)
+        assert_close(out, x.cos().sin() * 2, rtol=0, atol=0)
+        assert counters["frames"]["total"] > 1 and counters["stats"]["unique_graphs"] != 1, (backend, counters)

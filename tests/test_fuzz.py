@@ -39,6 +39,7 @@ from helpers import assert_close, rel_err
 hypothesis = pytest.importorskip("hypothesis")
 from fuzz_strategies import (  # noqa: E402
     ATTN_NEAR_MISSES,
+    CE_ROW_PARTS,
     DTYPES,
     MLP_ACTIVATIONS,
     Attention,
@@ -396,11 +397,12 @@ def ce_run(spec: CESpec, ci: CEInputs, dtype: torch.dtype, layout: Layout, no_gr
 
 
 @st.composite
-def ce_cases(draw, *, near_miss: bool = False):
+def ce_cases(draw, *, near_miss: bool = False, row_parts: bool = False):
     dtype = DTYPES[draw(dtype_names())]
     shift = draw(st.booleans())
-    spec = draw(ce_specs(near_miss=near_miss, autocast_ok=dtype == torch.float32))
-    layout = draw(layouts(max_tokens=24, min_last=2 if shift else 1))
+    spec = draw(ce_specs(near_miss=near_miss, autocast_ok=dtype == torch.float32, row_parts=row_parts))
+    parts = spec.head in CE_ROW_PARTS
+    layout = draw(layouts(max_tokens=24, min_last=(2 if shift else 1) + 2 * parts, allow_dynamic=not parts))
     spec = dataclasses.replace(spec, shift=shift and len(layout.lead) == 2)
     ci = draw(ce_inputs(spec, dtype))
     no_grad = draw(st.integers(0, 5)) == 0
@@ -443,6 +445,21 @@ def test_ce_spellings_match_eager(case):
 @examples(ci=20, long=800)
 @given(case=ce_cases(near_miss=True))
 def test_ce_near_misses_are_left_alone(case):
+    spec, ci, dtype, layout, no_grad, seed = case
+    execute(ce_run(spec, ci, dtype, layout, no_grad, seed))
+
+
+@examples(ci=12, long=800)
+@given(case=ce_cases(row_parts=True))
+def test_ce_row_parts_match_eager(case):
+    """The same math on parts of the rows (split / chunk / rows, then cat or a preallocated buffer) fires."""
+    spec, ci, dtype, layout, no_grad, seed = case
+    execute(ce_run(spec, ci, dtype, layout, no_grad, seed))
+
+
+@examples(ci=4, long=200)
+@given(case=ce_cases(near_miss=True, row_parts=True))
+def test_ce_row_parts_that_are_no_partition_are_left_alone(case):
     spec, ci, dtype, layout, no_grad, seed = case
     execute(ce_run(spec, ci, dtype, layout, no_grad, seed))
 

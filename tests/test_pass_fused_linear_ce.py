@@ -617,6 +617,202 @@ def test_dynamic_shapes():
     assert rep.graphs == 1 and rep.counts["fused_linear_ce"] == 1, rep
 
 
+# ------------------------------------------------------------------------------------------------- row parts
+
+
+def lse_rows_into_buffer(z, chunk):
+    """OpenRLHF's _logsumexp_by_chunk: logsumexp of row chunks written into a preallocated buffer."""
+    flat = z.reshape(-1, z.shape[-1])
+    out = torch.zeros(flat.shape[0], dtype=z.dtype, device=z.device)
+    for i in range(0, flat.shape[0], chunk):
+        out[i : i + chunk] = torch.logsumexp(flat[i : i + chunk], dim=-1)
+    return out.view(z.shape[:-1])
+
+
+def entropy_split_cat(m, h, y):
+    # TRL's entropy_from_logits: flatten, split the rows, entropy per chunk, cat, reshape back
+    z = m.lm_head(h)
+    flat = z.reshape(-1, V)
+    parts = [-(torch.exp(lp) * lp).sum(-1) for lp in (F.log_softmax(c, dim=-1) for c in flat.split(4, dim=0))]
+    return torch.cat(parts, dim=0).reshape(z.shape[:-1])
+
+
+def logp_chunk_cat_with_labels(m, h, y):
+    # parts along the sequence dim, each with its own labels' part
+    z = m.lm_head(h) / 0.7
+    parts = [lp_of(zc, yc) for zc, yc in zip(z.chunk(3, dim=1), y.chunk(3, dim=1))]
+    return torch.cat(parts, dim=1)
+
+
+def logp_entropy_unbind_stack(m, h, y):
+    z = m.lm_head(h)
+    return torch.stack([lp_of(zr, yr) for zr, yr in zip(z.unbind(0), y.unbind(0))]), torch.stack(
+        [entropy_of(zr) for zr in z.unbind(0)]
+    )
+
+
+def logp_slices_cat(m, h, y):
+    z = m.lm_head(h)[:, :-1]
+    t = y[:, 1:]
+    return torch.cat([lp_of(z[:, :2], t[:, :2]), lp_of(z[:, 2:5], t[:, 2:5]), lp_of(z[:, 5:], t[:, 5:])], dim=1)
+
+
+def log_softmax_parts_then_gather(m, h, y):
+    # the vocabulary-sized log-softmax joined from row parts, then one gather
+    z = m.lm_head(h).float()
+    logp = torch.cat([F.log_softmax(z.narrow(1, 0, 3), -1), F.log_softmax(z.narrow(1, 3, 4), -1)], dim=1)
+    return logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
+def logp_buffer_setitem(m, h, y):
+    z = m.lm_head(h)
+    z.div_(0.9)  # OpenRLHF's in-place temperature
+    picked = torch.gather(z, dim=-1, index=y.unsqueeze(-1)).squeeze(-1)
+    return picked - lse_rows_into_buffer(z, 4)
+
+
+def entropy_buffer_copy(m, h, y):
+    z = m.lm_head(h)
+    out = torch.empty(z.shape[:-1], dtype=z.dtype)
+    for i in range(z.shape[0]):
+        out[i].copy_(entropy_of(z[i]))
+    return out
+
+
+def logp_buffer_int_rows(m, h, y):
+    z = m.lm_head(h)
+    out = h.new_zeros(y.shape)
+    for i in range(z.shape[0]):
+        out[i] = lp_of(z[i], y[i])
+    return out
+
+
+def temperature_inplace_operator(m, h, y):
+    z = m.lm_head(h)
+    z /= 0.8
+    return lp_of(z, y), entropy_of(z)
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        entropy_split_cat,
+        logp_chunk_cat_with_labels,
+        logp_entropy_unbind_stack,
+        logp_slices_cat,
+        log_softmax_parts_then_gather,
+        logp_buffer_setitem,
+        entropy_buffer_copy,
+        logp_buffer_int_rows,
+        temperature_inplace_operator,
+    ],
+)
+def test_row_parts_fire_and_match_eager(spelling):
+    rep = compile_and_compare(spelling)
+    (fused,) = rep.rewrites
+    assert fused.detail.endswith("; 1 fused call(s)") and fused.shapes["N/D/V"][0] == 3 * 7 - 3 * (
+        spelling is logp_slices_cat
+    ), fused
+    if spelling is not temperature_inplace_operator:
+        assert "rows joined from parts by" in fused.detail, fused.detail
+
+
+def test_row_parts_and_whole_rows_share_one_call():
+    # OpenRLHF: the gather reads the whole logits, the logsumexp comes from row chunks: one call for both
+    rep = compile_and_compare(logp_buffer_setitem)
+    assert "log-prob (via gather, logsumexp)" in rep.rewrites[0].detail
+    assert "temperature 0.9" in rep.rewrites[0].detail and "by buffer" in rep.rewrites[0].detail
+
+
+def test_function_compiled_on_its_own_inside_the_step_fuses():
+    # OpenRLHF's compute_entropy carries its own @torch.compile: Dynamo inlines it into the step being compiled
+    @torch.compile
+    def entropy(logits):
+        pd = F.softmax(logits, dim=-1)
+        return torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
+
+    def spelling(m, h, y):
+        z = m.lm_head(h)
+        return lp_of(z, y), entropy(z)
+
+    rep = compile_and_compare(spelling)
+    assert rep.graphs == 1
+
+
+def gap(m, h, y):
+    z = m.lm_head(h)
+    return torch.cat([entropy_of(z[:, :3]), entropy_of(z[:, 4:])], dim=1)
+
+
+def out_of_order(m, h, y):
+    z = m.lm_head(h)
+    return torch.cat([entropy_of(z[:, 3:]), entropy_of(z[:, :3])], dim=1)
+
+
+def overlapping_writes(m, h, y):
+    z = m.lm_head(h).view(-1, V)
+    out = torch.zeros(z.shape[0])
+    out[0:8] = torch.logsumexp(z[0:8], -1)
+    out[6:] = torch.logsumexp(z[6:], -1)
+    return z.gather(-1, y.view(-1, 1)).squeeze(-1) - out
+
+
+def rows_left_unwritten(m, h, y):
+    z = m.lm_head(h).view(-1, V)
+    out = torch.zeros(z.shape[0])
+    out[0:8] = torch.logsumexp(z[0:8], -1)
+    return z.gather(-1, y.view(-1, 1)).squeeze(-1) - out
+
+
+def read_before_written(m, h, y):
+    z = m.lm_head(h).view(-1, V)
+    out = torch.zeros(z.shape[0])
+    out[0:8] = torch.logsumexp(z[0:8], -1)
+    early = out.sum()
+    out[8:] = torch.logsumexp(z[8:], -1)
+    return z.gather(-1, y.view(-1, 1)).squeeze(-1) - out + early
+
+
+def foreign_write(m, h, y):
+    z = m.lm_head(h).view(-1, V)
+    out = torch.zeros(z.shape[0])
+    out[0:8] = torch.logsumexp(z[0:8], -1)
+    out[8:] = 0.0
+    return z.gather(-1, y.view(-1, 1)).squeeze(-1) - out
+
+
+def rounding_buffer(m, h, y):
+    z = m.lm_head(h).view(-1, V)
+    out = torch.zeros(z.shape[0], dtype=torch.bfloat16)
+    out[0:8] = torch.logsumexp(z[0:8], -1)
+    out[8:] = torch.logsumexp(z[8:], -1)
+    return z.gather(-1, y.view(-1, 1)).squeeze(-1) - out
+
+
+def labels_of_other_rows(m, h, y):
+    z = m.lm_head(h)
+    return torch.cat([lp_of(z[:, :3], y[:, 1:4]), lp_of(z[:, 3:], y[:, 3:])], dim=1)
+
+
+@pytest.mark.parametrize(
+    ("spelling", "reason"),
+    [
+        (gap, "leaves rows 3:4"),
+        (out_of_order, "only the rows in their own order"),
+        (overlapping_writes, "rows 6:8 of"),
+        (rows_left_unwritten, "leaves rows 8:21"),
+        (read_before_written, "before setitem_1 writes into it"),
+        (foreign_write, "written with values not computed from these logits"),
+        (labels_of_other_rows, "labels of a part"),
+        (rounding_buffer, "which rounds them"),
+    ],
+)
+def test_row_parts_that_are_not_a_partition_are_left_alone(spelling, reason):
+    rep = compile_and_compare(spelling, rewrites=0)
+    reasons = [s.reason for s in rep.skipped if s.pass_name == "fused_linear_ce"]
+    assert len(reasons) == 1 and reason in reasons[0], rep
+
+
 # ----------------------------------------------------------------------------------------------- non-matches
 
 

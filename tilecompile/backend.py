@@ -18,11 +18,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import config
+from tilecompile import config, dynamo_compat
 from tilecompile import reporting as R
 from tilecompile.pipeline import run_passes
 
 log = logging.getLogger("tilecompile")
+# loaded by torch.compile(backend="tilecompile") before Dynamo traces: a failing import in the traced code raises
+# ImportError there instead of breaking the graph (OpenRLHF's optional flash_attn import)
+dynamo_compat.install()
 _LEVELS = {"warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 
 

@@ -53,6 +53,8 @@ _SPECS: dict[str, _Spec] = {
     "ce_loss_block_rows": _Spec(int, 0, "rows per logits block in the loss-aware mode (0: automatic)"),
     # fused_linear_ce: check labels on CUDA (one device-side check and a host sync per call)
     "check_inputs": _Spec(bool, False, "validate labels on CUDA (costs a host sync per call)"),
+    # Dynamo: a failing import inside compiled code raises ImportError there, as in Python (dynamo_compat.py)
+    "trace_import_errors": _Spec(bool, True, "a failing import in compiled code raises ImportError in the graph"),
 }
 
 _ALIASES = {f"TILECOMPILE_{name.upper()}": name for name in _SPECS}
@@ -106,6 +108,7 @@ class Settings:
     ce_loss_aware: bool
     ce_loss_block_rows: int
     check_inputs: bool
+    trace_import_errors: bool
 
     def pass_enabled(self, pass_name: str) -> bool:
         return bool(getattr(self, pass_name))

@@ -350,72 +350,128 @@ def as_affine(node: fx.Node) -> Linear | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class LastDimSlice:
-    """``source[..., start:stop]``, however it was spelled: an item of ``chunk``/``split`` along the last dim,
-    ``narrow(-1, ...)``, or basic slicing with every other dim whole."""
+class DimSlice:
+    """``source`` restricted to ``start:stop`` along ``dim`` (normalised), however it was spelled: basic indexing
+    with every other dim whole, ``narrow``, ``select``, an item of ``split``/``chunk``/``tensor_split``/``unbind``.
+    ``keep`` is False when the dim is dropped (an int index, ``select``, ``unbind``; then ``stop == start + 1``)."""
 
     node: fx.Node
     source: fx.Node
+    dim: int
     start: int
     stop: int
+    keep: bool = True
 
 
-def as_last_dim_slice(node: fx.Node) -> LastDimSlice | None:
+# the static parts of a tensor along one dim: torch.split and its spellings (a tuple; getitem takes one part)
+SPLIT_OPS = frozenset({"split", "split_with_sizes", "chunk", "tensor_split", "unbind"})
+
+
+def as_dim_slice(node: fx.Node) -> DimSlice | None:
+    """``node`` as a slice of one dim of another tensor (static sizes only), or None."""
     name = op(node)
     if name == "narrow":
         src, dim, start, length = (arg(node, i, k) for i, k in enumerate(("input", "dim", "start", "length")))
-        return _last_dim_slice(node, src, dim, start, None if length is None else start + length)
+        if not isinstance(length, int):
+            return None
+        return _dim_slice(node, src, dim, start, start + length if isinstance(start, int) else None)
+    if name == "select":
+        src, dim, index = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "index")
+        return _dim_slice(node, src, dim, index, index + 1 if isinstance(index, int) else None, keep=False)
     if name != "getitem" or not isinstance(node.args[0], fx.Node):
         return None
     parent, index = node.args[0], node.args[1]
-    if isinstance(index, int) and op(parent) in ("chunk", "split"):
-        src = arg(parent, 0, "input", arg(parent, 0, "tensor"))
-        size = hint((shape(src) or (None,))[-1]) if isinstance(src, fx.Node) else None
-        if size is None or index < 0:
-            return None
-        if op(parent) == "chunk":
-            chunks, dim = arg(parent, 1, "chunks"), arg(parent, 2, "dim", 0)
-            if not isinstance(chunks, int) or chunks <= 0:
-                return None
-            sizes = [-(-size // chunks)] * chunks
-        else:
-            sections = arg(parent, 1, "split_size_or_sections", parent.kwargs.get("split_size"))
-            dim = arg(parent, 2, "dim", 0)
-            if isinstance(sections, int) and sections > 0:
-                sizes = [sections] * -(-size // sections)
-            elif isinstance(sections, list | tuple) and all(isinstance(s, int) for s in sections):
-                sizes = list(sections)
-            else:
-                return None
-        if index >= len(sizes):
-            return None
-        start = sum(sizes[:index])
-        return _last_dim_slice(node, src, dim, start, min(start + sizes[index], size))
-    src = parent
-    ndim = len(shape(src) or ())
-    if not isinstance(index, tuple) or ndim == 0 or not all(isinstance(i, slice) or i is Ellipsis for i in index):
+    if op(parent) in SPLIT_OPS:
+        return _split_item(node, parent, index)
+    return index_slice(node, parent, index)
+
+
+def index_slice(node: fx.Node, source: fx.Node, index: Any) -> DimSlice | None:
+    """``source[index]`` (for ``node``: the getitem, or a ``setitem`` into ``source``) as a ``DimSlice``."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, bool) for i in items) or sum(i is Ellipsis for i in items) > 1:
         return None
-    if index[:1] == (Ellipsis,) and len(index) == 2:
-        last = index[1]
-    elif Ellipsis not in index and len(index) == ndim and all(i == slice(None) for i in index[:-1]):
-        last = index[-1]
+    if not all(isinstance(i, int | slice) or i is Ellipsis for i in items):
+        return None
+    ndim = len(shape(source) or ())
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        positions = [*range(at), *range(ndim - (len(items) - at - 1), ndim)]
+        items = items[:at] + items[at + 1 :]
     else:
+        positions = list(range(len(items)))
+    if len(items) > ndim:
         return None
-    if last.step not in (None, 1):
+    cut = [(d, i) for d, i in zip(positions, items) if i != slice(None)]
+    if len(cut) != 1:
         return None
-    return _last_dim_slice(node, src, -1, last.start or 0, last.stop)
+    d, i = cut[0]
+    if isinstance(i, int):
+        return _dim_slice(node, source, d, i, i + 1 if i != -1 else None, keep=False)
+    if i.step not in (None, 1):
+        return None
+    return _dim_slice(node, source, d, 0 if i.start is None else i.start, i.stop)
 
 
-def _last_dim_slice(node: fx.Node, src: Any, dim: Any, start: Any, stop: Any) -> LastDimSlice | None:
-    src_shape = shape(src)
-    if not src_shape or normalize_dim(dim, len(src_shape)) != len(src_shape) - 1:
+def _split_item(node: fx.Node, parent: fx.Node, index: Any) -> DimSlice | None:
+    src = arg(parent, 0, "input", arg(parent, 0, "tensor", arg(parent, 0, "self")))
+    name = op(parent)
+    if name == "unbind":
+        dim = arg(parent, 1, "dim", 0)
+        return _dim_slice(node, src, dim, index, index + 1 if isinstance(index, int) else None, keep=False)
+    dim = arg(parent, 2, "dim", 0)
+    src_shape = shape(src) if isinstance(src, fx.Node) else None
+    d = normalize_dim(dim, len(src_shape or ()))
+    size = src_shape[d] if src_shape and d is not None and 0 <= d < len(src_shape) else None
+    if not isinstance(size, int) or not isinstance(index, int) or index < 0:
         return None
-    size = hint(src_shape[-1])
-    if size is None or not isinstance(start, int) or not isinstance(stop, int | None):
+    if name == "chunk":
+        chunks = arg(parent, 1, "chunks")
+        if not isinstance(chunks, int) or chunks <= 0:
+            return None
+        width = -(-size // chunks)
+        sizes = [width] * -(-size // width) if width else []
+    elif name == "tensor_split":
+        sections = arg(parent, 1, "indices_or_sections", arg(parent, 1, "sections", parent.kwargs.get("indices")))
+        if not isinstance(sections, int) or sections <= 0:
+            return None
+        sizes = [size // sections + (1 if k < size % sections else 0) for k in range(sections)]
+    else:
+        sections = arg(parent, 1, "split_size_or_sections", parent.kwargs.get("split_size"))
+        sections = parent.kwargs.get("split_sizes", sections)
+        if isinstance(sections, int) and sections > 0:
+            sizes = [sections] * -(-size // sections)
+        elif isinstance(sections, list | tuple) and all(isinstance(s, int) for s in sections):
+            sizes = list(sections)
+        else:
+            return None
+    if index >= len(sizes):
         return None
+    start = sum(sizes[:index])
+    return _dim_slice(node, src, dim, start, min(start + sizes[index], size))
+
+
+def _dim_slice(node: fx.Node, src: Any, dim: Any, start: Any, stop: Any, keep: bool = True) -> DimSlice | None:
+    src_shape = shape(src) if isinstance(src, fx.Node) else None
+    d = normalize_dim(dim, len(src_shape or ()))
+    if d is None or not 0 <= d < len(src_shape):
+        return None
+    size = src_shape[d]  # a symbolic size: rows proven at its hint need not be those of a later call
+    if not isinstance(size, int) or not isinstance(start, int) or not isinstance(stop, int | None):
+        return None
+    if not keep and not -size <= start < size:
+        return None  # an int index out of range: eager raises
     stop = size if stop is None else stop
     start, stop = (max(0, min(size, i + size if i < 0 else i)) for i in (start, stop))
-    return LastDimSlice(node, src, start, stop) if start < stop else None
+    return DimSlice(node, src, d, start, stop, keep) if start < stop else None
+
+
+def as_last_dim_slice(node: fx.Node) -> DimSlice | None:
+    """``source[..., start:stop]`` (a ``DimSlice`` of the last dim that keeps it)."""
+    part = as_dim_slice(node)
+    if part is None or not part.keep or part.dim != len(shape(part.source) or ()) - 1:
+        return None
+    return part
 
 
 def is_autocast_marker(node: fx.Node) -> bool:
