@@ -710,7 +710,7 @@ def temperature_inplace_operator(m, h, y):
 def test_row_parts_fire_and_match_eager(spelling):
     rep = compile_and_compare(spelling)
     (fused,) = rep.rewrites
-    assert fused.detail.endswith("; 1 fused call(s)") and fused.shapes["N/D/V"][0] == 3 * 7 - 3 * (
+    assert "; 1 fused call(s)" in fused.detail and fused.shapes["N/D/V"][0] == 3 * 7 - 3 * (
         spelling is logp_slices_cat
     ), fused
     if spelling is not temperature_inplace_operator:
