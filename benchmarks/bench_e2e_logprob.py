@@ -6,14 +6,16 @@ The step (what verl's dp_actor computes after the trunk): logits = lm_head(h) sh
 h [B, T, D] stands in for the trunk's output (requires grad); the lm_head weight is a parameter.
 
 Methods: ``eager``; ``inductor`` (``torch.compile(step)``); ``tilecompile`` (``torch.compile(step,
-backend="tilecompile")``: the fused_linear_ce pass rewrites the lm_head region to the fused op, Inductor compiles
-the rest). Time: median of ``--reps`` fwd+bwd timings after a warm-up that includes compilation (CUDA events on the
-GPU, perf_counter on CPU). Peak extra memory: ``max_memory_allocated`` during one step minus what is allocated with
-the inputs in place (CUDA only). Errors: loss, dh and dW relative to eager (fp32 eager on CPU; same dtype on GPU).
+backend="tilecompile")``: the fused_linear_ce pass rewrites the lm_head region to the fused op in its loss-aware
+mode, Inductor compiles the rest); ``tilecompile-recompute`` (the same with ``ce_loss_aware`` off: the op's
+backward recomputes the logits). The report's mode is in the CSV. Time: median of ``--reps`` fwd+bwd timings
+after a warm-up that includes compilation (CUDA events on the GPU, perf_counter on CPU). Peak extra memory:
+``max_memory_allocated`` during one step minus what is allocated with the inputs in place (CUDA only). Errors:
+loss, dh and dW relative to eager (fp32 eager on CPU; same dtype on GPU).
 FLOP floor of the lm_head part: fwd+bwd = 6·N·D·V.
 
 usage: python benchmarks/bench_e2e_logprob.py [--shapes 16384:4096:151936,16384:1536:151936] [--reps 5]
-           [--only eager,inductor,tilecompile] [--csv PATH]
+           [--only eager,inductor,tilecompile,tilecompile-recompute] [--csv PATH]
        python benchmarks/bench_e2e_logprob.py --tiny      (CPU, N=64 D=32 V=257 fp32: checks that it runs)
 """
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 CSV_FIELDS = [
     "date", "device", "torch", "triton", "N", "D", "V", "dtype", "method", "ms", "peak_extra_gib",
-    "lm_head_floor_tflop", "rewrites", "relerr_loss", "relerr_dh", "relerr_dw", "error",
+    "lm_head_floor_tflop", "rewrites", "mode", "relerr_loss", "relerr_dh", "relerr_dw", "error",
 ]  # fmt: skip
 SUMMARY = (
     "N",
@@ -87,8 +89,10 @@ def build(method: str):
         return ppo_step
     if method == "inductor":
         return torch.compile(ppo_step)
-    if method == "tilecompile":
+    if method == "tilecompile":  # the loss reduces to a scalar: the loss-aware mode (grads in the forward, 3 GEMMs)
         return torch.compile(ppo_step, backend="tilecompile")
+    if method == "tilecompile-recompute":  # the same with the loss-aware mode off: the op recomputes z (4 GEMMs)
+        return torch.compile(ppo_step, backend="tilecompile", options={"ce_loss_aware": False})
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -138,7 +142,10 @@ def bench_shape(n, d, v, dtype, device, methods, reps, batch, temperature, rows)
             fn = build(method)
             out = run_once(fn, lm_head, inputs, temperature)  # warm-up, includes compilation
             out = tuple(t.clone() for t in out)
-            row["rewrites"] = tilecompile.report().counts["fused_linear_ce"] if method == "tilecompile" else ""
+            rep = tilecompile.report()
+            row["rewrites"] = rep.counts["fused_linear_ce"] if method.startswith("tilecompile") else ""
+            modes = [r.detail.rpartition("; ")[2] for r in rep.rewrites if r.pass_name == "fused_linear_ce"]
+            row["mode"] = " | ".join(modes)
             if reference is None:
                 reference = out
             row["relerr_loss"], row["relerr_dh"], row["relerr_dw"] = (
