@@ -46,7 +46,11 @@ def main() -> None:
     p.add_argument("--blocks", default="1024,1536,2048")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", type=int, default=0, help="profile the loss-aware op at this row block")
+    p.add_argument("--epilogues", action="store_true", help="sweep the epilogues' launch settings on one row block")
     args = p.parse_args()
+    if args.epilogues:
+        sweep_epilogues(1536, args.v, args.reps)
+        return
     gm = fx.symbolic_trace(ppo)
     key = O.register_loss(gm, gm.code)
     print(torch.cuda.get_device_name(), torch.__version__)
@@ -105,6 +109,44 @@ def bench(n: int, d: int, v: int, key: int, blocks: list[int], reps: int, profil
             f"D={d} {name:22s} {ms:8.2f} ms  peak extra {peak:5.2f} GiB  6NDV={floor:.1f} TFLOP "
             f"({floor / ms * 1e3:.0f} TFLOP/s)  rel dh/dW vs recompute {err[0]:.1e}/{err[1]:.1e}"
         )
+
+
+def sweep_epilogues(rows: int, v: int, reps: int) -> None:
+    """Forward / backward epilogue of one [rows, V] block of whole-vocabulary logits, per launch setting."""
+    from tilecompile.kernels import fused_linear_ce as K
+
+    dev = "cuda"
+    z = (torch.randn(rows, v, device=dev) * 3).bfloat16()
+    labels = torch.randint(0, v, (rows,), device=dev)
+    logp, ent = torch.empty(rows, device=dev), torch.empty(rows, device=dev)
+    stats = torch.empty(rows, 2, device=dev)
+    glp, gent = torch.randn(rows, device=dev), torch.randn(rows, device=dev)
+    gbytes = rows * v * 2 / 1e9
+    default = dict(K._FWD_LAUNCH)
+    for cap in (2048, 4096, 8192):
+        for warps in (4, 8, 16):
+            for per_sm in (1, 4, 16):
+                K._FWD_LAUNCH.update(cap=cap, warps=warps, grid_per_sm=per_sm)
+
+                def fwd():
+                    state = (
+                        torch.full((rows,), float("-inf"), device=dev),
+                        *(torch.zeros(rows, device=dev) for _ in range(3)),
+                    )
+                    K._triton_fwd_epilogue(z, labels, state, logp, ent, stats, 0, 1.0, -100, True, True)
+
+                ms = timed(fwd, reps)
+                print(f"fwd cap={cap} warps={warps} per_sm={per_sm}: {ms:.3f} ms ({gbytes / ms:.2f} TB/s)")
+    K._FWD_LAUNCH.update(default)
+    for cap in (1024, 2048, 4096, 8192):
+        K._BWD_BLOCK_CAP = cap
+        zz = z.clone()
+
+        def bwd(zz=zz):
+            K._triton_bwd_epilogue(zz, labels, stats, ent, glp, gent, 0, 1.0, -100)
+
+        ms = timed(bwd, reps)
+        print(f"bwd cap={cap}: {ms:.3f} ms ({2 * gbytes / ms:.2f} TB/s read+write)")
 
 
 def _profile(fn, label: str) -> None:

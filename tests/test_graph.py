@@ -175,3 +175,37 @@ def test_module_path():
     assert G.clean_path("L['self']._modules['model']._modules['layers']['3'].mlp") == "model.layers.3.mlp"
     # Hugging Face 5.x wraps forward in a *args decorator: the root is L['args'][0]
     assert G.clean_path("L['args'][0].model.layers[1].mlp") == "model.layers.1.mlp"
+
+
+def test_dead_code_elimination_keeps_calls_made_for_their_side_effects():
+    """A user's Triton kernel is a call that returns nothing and writes into its arguments (Dynamo's
+    ``triton_kernel_wrapper_mutation``); FX's own DCE drops it, leaving the output buffer uninitialised."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    out = g.call_function(torch.empty_like, (x,))
+    kwargs = {"in_ptr": x, "out_ptr": out}
+    kernel = g.call_function(
+        triton_kernel_wrapper_mutation,
+        (),
+        {"kernel_idx": 0, "constant_args_idx": 0, "grid": [(1, 1, 1)], "tma_descriptor_metadata": {}, "kwargs": kwargs},
+    )
+    unused = g.call_function(torch.neg, (x,))
+    g.output(out)
+    # inside the body of a higher-order op (TRL's kernel sits in its autograd.Function's forward): FX's DCE of the
+    # outer graph cleans such bodies too, without the side-effect check
+    outer = fx.Graph()
+    y = outer.placeholder("y")
+    outer.get_attr("body")
+    dead = outer.call_function(torch.neg, (y,))
+    outer.output(y)
+    root = torch.nn.Module()
+    root.body = fx.GraphModule(torch.nn.Module(), g)
+    fx.GraphModule(root, outer)
+    G.eliminate_dead_code(outer)
+    assert dead not in list(outer.nodes)
+    assert kernel in list(g.nodes) and unused in list(g.nodes)  # the body is the pass's own business
+    G.eliminate_dead_code(g)
+    nodes = list(g.nodes)
+    assert kernel in nodes and unused not in nodes

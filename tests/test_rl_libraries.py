@@ -189,3 +189,26 @@ def test_openrlhf_without_traced_import_errors_breaks_the_graph(openrlhf_utils):
     torch.compile(step, backend="tilecompile", options=compile_options(trace_import_errors=False))(model, *batch())
     rep = tilecompile.report()
     assert rep.graphs > 1 and rep.counts["fused_linear_ce"] == 0, rep
+
+
+@pytest.mark.gpu
+def test_trl_cuda_kernel_path_inside_a_compiled_step(trl_utils):
+    """On CUDA TRL sends its log-prob and entropy to its own Triton kernels (not rewritten by the lm_head pass).
+    Dynamo records such a kernel as a call that returns nothing and writes its output buffer; a pass's dead-code
+    elimination once dropped it (the attention pass's), and the log-probs were an uninitialised buffer."""
+    model = tiny_qwen2().cuda().bfloat16()
+    ids, mask, old_logp, advantages = (t.cuda() for t in batch())
+
+    def step(model, ids, mask, old_logp, advantages):
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1] / TEMPERATURE
+        logp = trl_utils.selective_log_softmax(logits, ids[:, 1:])
+        entropy = trl_utils.entropy_from_logits(logits)
+        return ppo_loss(logp, entropy, mask, old_logp, advantages), logp.detach().float()
+
+    expected, logp_eager = step(model, ids, mask, old_logp, advantages)
+    actual, logp = torch.compile(step, backend="tilecompile", options={"strict": True})(
+        model, ids, mask, old_logp, advantages
+    )
+    assert (logp <= 0).all(), logp
+    assert_close(logp, logp_eager, rtol=2e-2, atol=5e-2, name="log-probs")
+    assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-3, name="loss")

@@ -501,8 +501,30 @@ def is_inplace(node: fx.Node) -> bool:
 
 
 def eliminate_dead_code(graph: fx.Graph) -> bool:
-    """``graph.eliminate_dead_code()`` that keeps in-place calls with no users (FX would drop ``x.div_(t)``)."""
-    return graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_inplace(n))
+    """``graph.eliminate_dead_code()`` that keeps calls made for their side effects: in-place calls with no users
+    (FX would drop ``x.div_(t)``), and calls that return nothing, such as a user's Triton kernel, which Dynamo
+    records as ``triton_kernel_wrapper_mutation`` writing into its arguments (FX does not count it as impure: a
+    dropped call leaves its output buffer uninitialised, as TRL's CUDA log-prob kernel was).
+
+    This graph only: FX's own version also cleans the bodies of higher-order ops (an autograd.Function's forward,
+    a checkpoint) and does it there without the side-effect check, so it is not called."""
+    changed = False
+    for node in reversed(graph.nodes):
+        if node.op in ("call_function", "call_method", "call_module") and not node.users:
+            if not _has_side_effects(node):
+                graph.erase_node(node)
+                changed = True
+    return changed
+
+
+def _has_side_effects(node: fx.Node) -> bool:
+    if node.is_impure() or is_inplace(node):
+        return True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if getattr(node.target, "__name__", None) == "triton_kernel_wrapper_mutation":
+        return True
+    return "example_value" in node.meta and node.meta["example_value"] is None
 
 
 def same_size(a: Any, b: Any) -> bool:
