@@ -1351,6 +1351,9 @@ def _finish_loss_aware(graph, plan: LA.LossPlan, replaced, call: dict, fake_mode
     fused.update_arg(8, register_loss(fn, fn.code))
     b = _Builder(graph, loss.next, fake_mode, meta_from)
     zero = b.call(_anchor_op(), call["h"], call["weight"], *call["grads"])
+    dtype = G.dtype(loss)
+    if dtype != torch.float32:  # the anchor is an fp32 zero: adding it must not promote a bf16 / fp16 loss
+        zero = b.call("to", zero, dtype, method=True)
     with_anchor = b.call(operator.add, loss, zero)
     expect(with_anchor, G.example_value(loss))
     loss.replace_all_uses_with(with_anchor, delete_user_cb=lambda u: u is not with_anchor)
