@@ -10,7 +10,8 @@ optimizer step). Every variant is ``torch.compile(step, backend="tilecompile", d
              logsumexp − Σ softmax·z
   trl        TRL's GRPO spelling: ``logits /= t``, ``trl.trainer.utils.selective_log_softmax`` and
              ``entropy_from_logits`` as installed. On CUDA, TRL 1.x sends them to its own Triton kernel when its
-             checks pass; tilecompile does not rewrite that (the report says how many fused calls it made)
+             checks pass; the fused_linear_ce pass reads those kernel calls as their math and fuses them
+             (``passes/library_kernels.py``; the report says how many fused calls it made)
   trl-torch  the same functions with TRL's kernel check answered "no", so they run TRL's torch code: a row-by-row
              log_softmax stacked (bf16) and the entropy of 128-row chunks concatenated, which the fused_linear_ce
              pass joins back into one fused call
@@ -18,7 +19,7 @@ optimizer step). Every variant is ``torch.compile(step, backend="tilecompile", d
 Per variant: the first step (compile included), then the median of ``--repeats`` steps: tokens/s, step time, and
 peak memory (``max_memory_allocated`` over the timed steps, weights and grads included); the tilecompile report's
 lm_head rewrites and fused calls, and the loss. Results go to a CSV with the GPU name, torch / triton / transformers
-/ TRL versions and the date. The issue's bar: trl-torch within 5% of verl in tokens/s and peak memory.
+/ TRL versions and the date. The issue's bar: trl and trl-torch within 5% of verl in tokens/s and peak memory.
 
 TRL is optional: without it the trl rows are skipped with a note. On a machine without network, install the wheels
 carried with the project: ``python3 -m pip install --no-deps trl-*.whl`` (``trl.trainer.utils`` also imports

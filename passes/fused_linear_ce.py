@@ -40,11 +40,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from tilecompile.passes import library_kernels as LK
 from tilecompile.passes import loss_aware as LA
 
 from tilecompile import graph as G
 from tilecompile import reporting as R
-from tilecompile.pipeline import PassContext, PassResult, expect
+from tilecompile.pipeline import PassContext, PassResult, expect, snapshot_graph
 
 # meta key the tensor_parallel pass sets on the gather of a vocab-parallel lm_head's logits (its ShardSpec)
 _VOCAB_GATHER = "tilecompile_tp_vocab"
@@ -1493,7 +1494,38 @@ def check(r: _Region) -> tuple[list[fx.Node], str | None]:
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Rewrite every lm_head region of ``gm`` that passes the checks; report the others with their reasons."""
+    """Rewrite every lm_head region of ``gm`` that passes the checks; report the others with their reasons.
+
+    Known library kernels of the same math (TRL's Triton log-prob / entropy, ``passes/library_kernels.py``) are
+    first read as their torch math; that expansion is kept only if every one of them is fused, otherwise the graph
+    goes back to the kernels (better than the plain math) and the pass runs again without expanding them."""
+    kernels = LK.find(gm)
+    if not kernels:
+        return _run(gm, ctx)
+    saved, meta = snapshot_graph(gm.graph), dict(gm.meta)
+    wide = []
+    for call in kernels:
+        fake_mode = getattr(G.example_value(call.logits), "fake_mode", None)
+        if fake_mode is None:
+            break
+        wide.append(LK.expand(call, _Builder(gm.graph, call.node, fake_mode, call.node)))
+    result = _run(gm, ctx) if len(wide) == len(kernels) else None
+    live = set(gm.graph.nodes)
+    if result is not None and not any(n in live for nodes in wide for n in nodes):
+        for rewrite in result.rewrites:
+            rewrite.detail += f"; read from {len(kernels)} call(s) of TRL's Triton log-prob/entropy kernel"
+        return result
+    why = "; ".join(dict.fromkeys(s.reason for s in result.skipped)) if result else "no fake tensors on its logits"
+    gm.graph, gm.meta = saved, meta
+    gm.recompile()
+    result = _run(gm, ctx)
+    for call in kernels:
+        reason = f"left as is: the lm_head pass did not fuse the math it computes ({why or 'no lm_head linear'})"
+        result.skipped.append(R.Skip(NAME, LK.describe(call), G.module_path(call.node), reason))
+    return result
+
+
+def _run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult()
     regions = find(gm)
     if not regions:

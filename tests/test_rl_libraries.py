@@ -191,11 +191,117 @@ def test_openrlhf_without_traced_import_errors_breaks_the_graph(openrlhf_utils):
     assert rep.graphs > 1 and rep.counts["fused_linear_ce"] == 0, rep
 
 
+# ------------------------------------------------------------------------ TRL's Triton kernel (its CUDA path)
+
+
+@pytest.fixture
+def trl_kernel_path(trl_utils, monkeypatch):
+    """TRL's CUDA branch traced on CPU: TRL takes its Triton kernel when ``_supports_trl_loss_kernel`` holds (CUDA
+    logits) and Dynamo records the launch only where ``has_triton()`` (a GPU) says Triton works. Patched, the CPU
+    graph holds exactly what a CUDA graph holds; the kernel must be fused away, since it cannot run here."""
+    if not hasattr(trl_utils, "_fused_logprob_entropy"):
+        pytest.skip("this TRL has no Triton log-prob kernel (or triton is missing)")
+    import torch.utils._triton as triton_utils
+
+    monkeypatch.setattr(triton_utils, "has_triton", lambda: True)
+    monkeypatch.setattr(trl_utils, "_supports_trl_loss_kernel", lambda *args, **kwargs: True)
+    return trl_utils
+
+
+def trl_step(utils, spelling: str):
+    """``row_mask``: the temperature argument and TRL's row mask; ``grpo``: TRL's GRPO trainer (``logits /= t``)."""
+
+    def step(model, ids, mask, old_logp, advantages):
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+        if spelling == "grpo":
+            logits /= TEMPERATURE
+            logp = utils.selective_log_softmax(logits, ids[:, 1:])
+            entropy = utils.entropy_from_logits(logits)
+        else:
+            keep = mask[:, 1:].bool()
+            logp = utils.selective_log_softmax(logits, ids[:, 1:], temperature=TEMPERATURE, row_mask=keep)
+            entropy = utils.entropy_from_logits(logits / TEMPERATURE)
+        return ppo_loss(logp, entropy, mask, old_logp, advantages)
+
+    return step
+
+
+@pytest.mark.parametrize("spelling", ["grpo", "row_mask"])
+def test_trl_triton_kernel_path_is_fused(trl_utils, trl_kernel_path, spelling):
+    expected_step = trl_step(trl_utils, spelling)  # the reference: TRL's torch code (eager, unpatched)
+    model = tiny_qwen2()
+    reference = copy.deepcopy(model)
+    inputs = batch()
+    with pytest.MonkeyPatch.context() as undo:
+        undo.setattr(trl_utils, "_supports_trl_loss_kernel", lambda *args, **kwargs: False)
+        expected = expected_step(reference, *inputs)
+    expected.backward()
+    actual = torch.compile(trl_step(trl_kernel_path, spelling), backend="tilecompile", options=compile_options())(
+        model, *inputs
+    )
+    rep = tilecompile.report()
+    (fused,) = [r for r in rep.rewrites if r.pass_name == "fused_linear_ce"]
+    assert "read from 2 call(s) of TRL's Triton log-prob/entropy kernel" in fused.detail, fused.detail
+    assert fused.detail.startswith("log-prob, entropy") and "; 1 fused call(s)" in fused.detail, fused.detail
+    assert "loss-aware mode" in fused.detail, fused.detail
+    assert_close(actual, expected, rtol=1e-5, atol=1e-7, name="loss")
+    actual.backward()
+    assert_grads_close(model, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_trl_triton_kernel_under_no_grad_is_fused(trl_utils, trl_kernel_path):
+    """Old / reference log-probs: under no_grad Dynamo inlines the kernel's launch into empty buffers."""
+
+    def old_logprobs(utils):
+        def fn(model, ids):
+            with torch.no_grad():
+                logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+                return utils.selective_log_softmax(logits, ids[:, 1:], temperature=TEMPERATURE)
+
+        return fn
+
+    model = tiny_qwen2()
+    ids = batch()[0]
+    with pytest.MonkeyPatch.context() as undo:
+        undo.setattr(trl_utils, "_supports_trl_loss_kernel", lambda *args, **kwargs: False)
+        expected = old_logprobs(trl_utils)(model, ids)
+    actual = torch.compile(old_logprobs(trl_kernel_path), backend="tilecompile", options=compile_options())(model, ids)
+    (fused,) = [r for r in tilecompile.report().rewrites if r.pass_name == "fused_linear_ce"]
+    assert "read from 1 call(s) of TRL's Triton" in fused.detail and "loss-aware" not in fused.detail, fused.detail
+    assert_close(actual, expected, rtol=1e-5, atol=1e-6, name="log-probs")
+
+
+def test_trl_triton_kernel_left_alone_when_the_logits_escape(trl_kernel_path):
+    """The logits are also returned: nothing can be fused, and the kernel (better than the plain math) stays."""
+    from tilecompile import config
+    from tilecompile.pipeline import run_passes
+
+    def step(model, ids):
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+        return trl_kernel_path.selective_log_softmax(logits, ids[:, 1:]).sum(), logits
+
+    graphs = []
+
+    def inspect(gm, example_inputs):  # the passes only: the graph keeps a Triton launch that cannot run on CPU
+        graphs.append(run_passes(gm, config.load(compile_options()), "inspected"))
+        outputs = [n.meta["example_value"] for n in gm.graph.output_node().args[0]]
+        return lambda *args: [torch.zeros(o.shape, dtype=o.dtype) for o in outputs]
+
+    torch.compile(step, backend=inspect)(tiny_qwen2(), batch()[0])
+    rep = tilecompile.report()
+    assert rep.counts["fused_linear_ce"] == 0, rep
+    (skip,) = [s for s in rep.skipped if s.candidate.startswith("TRL's Triton")]
+    assert "left as is" in skip.reason and "returned" in skip.reason, skip.reason
+    (gm,) = graphs
+    names = [getattr(n.target, "__name__", "") for n in gm.graph.nodes]
+    assert "autograd_function_apply" in names and "log_softmax" not in names, names
+
+
 @pytest.mark.gpu
 def test_trl_cuda_kernel_path_inside_a_compiled_step(trl_utils):
-    """On CUDA TRL sends its log-prob and entropy to its own Triton kernels (not rewritten by the lm_head pass).
-    Dynamo records such a kernel as a call that returns nothing and writes its output buffer; a pass's dead-code
-    elimination once dropped it (the attention pass's), and the log-probs were an uninitialised buffer."""
+    """On CUDA TRL sends its log-prob and entropy to its own Triton kernels; the lm_head pass reads them as their
+    math and fuses them (before that, a pass's dead-code elimination once dropped the launch, which Dynamo records
+    as a call that returns nothing, and the log-probs were an uninitialised buffer)."""
     model = tiny_qwen2().cuda().bfloat16()
     ids, mask, old_logp, advantages = (t.cuda() for t in batch())
 
@@ -209,6 +315,8 @@ def test_trl_cuda_kernel_path_inside_a_compiled_step(trl_utils):
     actual, logp = torch.compile(step, backend="tilecompile", options={"strict": True})(
         model, ids, mask, old_logp, advantages
     )
+    (fused,) = [r for r in tilecompile.report().rewrites if r.pass_name == "fused_linear_ce"]
+    assert "TRL's Triton" in fused.detail, fused.detail
     assert (logp <= 0).all(), logp
     assert_close(logp, logp_eager, rtol=2e-2, atol=5e-2, name="log-probs")
     assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-3, name="loss")

@@ -78,7 +78,7 @@ def _run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str) -> fx.G
             if check_off is not None:
                 check_off(gm)
             continue
-        saved = {sub_name: _snapshot(sub.graph) for sub_name, sub in G.graph_modules(gm)}
+        saved = {sub_name: snapshot_graph(sub.graph) for sub_name, sub in G.graph_modules(gm)}
         try:
             result = PassResult()
             module = load_pass(name)
@@ -110,7 +110,7 @@ def _run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str) -> fx.G
     return gm
 
 
-def _snapshot(graph: fx.Graph) -> fx.Graph:
+def snapshot_graph(graph: fx.Graph) -> fx.Graph:
     """A copy of ``graph`` whose nodes keep the extra attributes Dynamo sets on them (``_dynamo_source`` ...)."""
     saved = copy.deepcopy(graph)
     for old, new in zip(graph.nodes, saved.nodes):
