@@ -152,6 +152,33 @@ def test_row_blocks_smaller_than_the_tokens():
     assert "loss-aware mode" in detail(run(grpo_kl_seq_mean_token_mean, options={"ce_loss_block_rows": 7}))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_loss_keeps_its_dtype(dtype):
+    """A CE mean on bf16 / fp16 logits is a bf16 / fp16 scalar: the op's fp32 zero anchor, added to it, must not
+    promote it (a dtype change the pipeline's fake-tensor check rejected: the fuzzer's CI failure)."""
+    torch.manual_seed(0)
+    model = Head().to(dtype)
+    reference = copy.deepcopy(model)
+    h, ids, batch = make_batch()
+    labels = ids[:, 1:].masked_fill(batch["mask"] == 0, -100).reshape(-1)
+
+    def ce(model, h):
+        return F.cross_entropy(model.lm_head(h)[:, :-1].reshape(-1, V), labels, ignore_index=-100)
+
+    h = h.to(dtype).requires_grad_()
+    h_ref = h.detach().clone().requires_grad_()
+    actual = torch.compile(ce, backend="tilecompile", options=compile_options())(model, h)
+    expected = ce(reference, h_ref)
+    assert actual.dtype == dtype
+    assert "loss-aware mode" in detail(tilecompile.report())
+    assert_close(actual.float(), expected.float(), rtol=2e-2, atol=1e-3, name="loss")
+    actual.backward()
+    expected.backward()
+    assert_close(h.grad.float(), h_ref.grad.float(), rtol=5e-2, atol=2e-3, name="grad of h")
+    w, w_ref = model.lm_head.weight.grad, reference.lm_head.weight.grad
+    assert_close(w.float(), w_ref.float(), rtol=5e-2, atol=2e-3, name="grad of W")
+
+
 def test_switched_off_by_the_option():
     d = detail(run(ppo_token_mean, options={"ce_loss_aware": False}))
     assert "recompute mode" in d and "ce_loss_aware=0" in d
