@@ -218,14 +218,19 @@ def find_loss(
     return LossPlan(loss, nodes, externals)
 
 
-def _ancestors_within(node: fx.Node, vals: dict[fx.Node, Any]) -> set[fx.Node]:
-    out, todo = {node}, [node]
+def _reach(roots: list[fx.Node], step: Any) -> set[fx.Node]:
+    """``roots`` and every node reached from them through ``step(node)`` (users or inputs)."""
+    out, todo = set(roots), list(roots)
     while todo:
-        for a in todo.pop().all_input_nodes:
-            if a in vals and a not in out:
+        for a in step(todo.pop()):
+            if a not in out:
                 out.add(a)
                 todo.append(a)
     return out
+
+
+def _ancestors_within(node: fx.Node, vals: dict[fx.Node, Any]) -> set[fx.Node]:
+    return _reach([node], lambda n: [a for a in n.all_input_nodes if a in vals])
 
 
 def _describe(user: fx.Node) -> str:
@@ -233,13 +238,7 @@ def _describe(user: fx.Node) -> str:
 
 
 def descendants(roots: list[fx.Node]) -> set[fx.Node]:
-    out, todo = set(roots), list(roots)
-    while todo:
-        for u in todo.pop().users:
-            if u not in out:
-                out.add(u)
-                todo.append(u)
-    return out
+    return _reach(roots, lambda n: n.users)
 
 
 def extract(graph: fx.Graph, inputs: tuple[fx.Node, fx.Node | None], loss: fx.Node) -> tuple[fx.GraphModule, list]:
@@ -271,10 +270,4 @@ def extract(graph: fx.Graph, inputs: tuple[fx.Node, fx.Node | None], loss: fx.No
 
 
 def _ancestors_of(node: fx.Node) -> set[fx.Node]:
-    out, todo = {node}, [node]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a not in out:
-                out.add(a)
-                todo.append(a)
-    return out
+    return _reach([node], lambda n: n.all_input_nodes)
