@@ -198,6 +198,31 @@ def test_report_contents_and_reset(monkeypatch):
     assert rep.counts["fused_linear_ce"] == 1  # an earlier snapshot is not changed by reset()
 
 
+def test_dynamo_restart_is_reported_once(monkeypatch):
+    """Under dynamic=True AOTAutograd specialises a symbolic float (here the exponent, an attribute of the module)
+    by making Dynamo restart its analysis: the backend runs twice for one graph, and only the last run counts."""
+    from tilecompile import backend
+
+    runs = []
+    monkeypatch.setattr(backend, "run_passes", lambda gm, *a: runs.append(gm) or pipeline.run_passes(gm, *a))
+
+    class GatedPow(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.up, self.down = (torch.nn.Linear(8, 8, bias=False) for _ in range(3))
+            self.p = 2.0
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x)).pow(self.p).mean()
+
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    f = torch.compile(GatedPow(), backend="tilecompile", dynamic=True, options=compile_options())
+    f(x).backward()
+    rep = tilecompile.report()
+    assert len(runs) == 2, "the restart this test is about did not happen"
+    assert rep.graphs == 1 and rep.counts["tiled_mlp"] == 1, rep
+
+
 def test_passes_run_in_nested_graphs(monkeypatch):
     """Bodies of activation-checkpoint regions are GraphModules of their own; every pass sees each one."""
     seen = []

@@ -40,10 +40,13 @@ def tilecompile_backend(
     settings = config.load(options)
     _, inductor_options = config.split_options(options)
     _configure_logging(settings.log)
-    R.count_graph()
-    graph_name = f"graph {R.report().graphs}"
-    gm = run_passes(gm, settings, graph_name)
-    return _inner_compile(gm, example_inputs, settings.inner, mode, inductor_options)
+    # Dynamo may restart its analysis from inside the inner compile (AOTAutograd specialising a symbolic float
+    # under dynamic shapes) and call this backend again for the same code: only the last call is reported
+    with R.discarded_on(torch._dynamo.exc.RestartAnalysis):
+        R.count_graph()
+        graph_name = f"graph {R.report().graphs}"
+        gm = run_passes(gm, settings, graph_name)
+        return _inner_compile(gm, example_inputs, settings.inner, mode, inductor_options)
 
 
 def _configure_logging(level: str) -> None:

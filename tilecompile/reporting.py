@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from typing import Any
@@ -103,6 +104,23 @@ def record(rewrites: list[Rewrite] = (), skipped: list[Skip] = (), failures: lis
         _current.rewrites.extend(rewrites)
         _current.skipped.extend(skipped)
         _current.failures.extend(failures)
+
+
+@contextlib.contextmanager
+def discarded_on(exc_type: type[BaseException]):
+    """Records made inside the block are dropped again if it raises ``exc_type`` (Dynamo restarting its analysis:
+    the graph is traced and compiled anew, and would otherwise be counted twice)."""
+    with _lock:
+        report, marks = _current, (len(_current.rewrites), len(_current.skipped), len(_current.failures))
+        graphs = _current.graphs
+    try:
+        yield
+    except exc_type:
+        with _lock:
+            if report is _current:  # not reset meanwhile
+                del report.rewrites[marks[0] :], report.skipped[marks[1] :], report.failures[marks[2] :]
+                report.graphs = graphs
+        raise
 
 
 def count_graph() -> None:
