@@ -1153,7 +1153,7 @@ def _rewrite_region(
             keyed[(labels, ignore)] = {"alias": twin} if twin else {}
 
     # the loss-aware mode (grads in the forward) when the escaping values reduce to one scalar loss
-    plan, mode = _loss_mode(r, escapes, calls, settings, modes, switch, tainted, gm if in_body else None)
+    plan, mode = _loss_mode(r, escapes, calls, settings, modes, switch, tainted, gm if in_body else None, anchor)
 
     # everything the calls read must exist before the anchor: move pure label computations up if needed
     for base, keyed in calls.items():
@@ -1305,10 +1305,10 @@ def _rewrite_region(
     )
 
 
-def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body) -> tuple[LA.LossPlan | None, str]:
+def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) -> tuple[LA.LossPlan | None, str]:
     """(the loss plan, "") for the loss-aware mode, or (None, "recompute mode: <why>") when the region needs grads
     but cannot have it; (None, "") when nothing needs grads (the op then runs its forward only). ``body``: the
-    higher-order op body (activation checkpoint) the region is in, or None."""
+    higher-order op body (activation checkpoint) the region is in, or None; ``at``: where the op will run."""
     lin = r.linear
     if not getattr(G.example_value(lin.node), "requires_grad", False):  # no grad needed, or traced under no_grad
         return None, ""
@@ -1327,8 +1327,11 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body) -> tup
         roots = {n: _loss_root(n, r.values[n]) for n in escapes}
         found = LA.find_loss(roots, modes, tainted - set(escapes), r.linear.node.graph)
         if isinstance(found, LA.LossPlan):
-            return found, ""
-        why = found
+            why = LA.check_externals(found, at, modes)
+            if why is None:
+                return found, ""
+        else:
+            why = found
     return None, f"recompute mode (4 GEMMs): {why}"
 
 
@@ -1348,7 +1351,11 @@ def _finish_loss_aware(graph, plan: LA.LossPlan, replaced, call: dict, fake_mode
     position = {n: i for i, n in enumerate(graph.nodes)}
     for n in externals:  # what the rebuilt values read (labels' count for a mean CE) must precede the call
         _hoist(n, fused, position)
-    fused.update_arg(7, list(externals))
+    # the op has no autograd: it reads detached values (an external's own gradient, a value head's or a learnable
+    # coefficient's, flows through the loss math, which stays in the graph)
+    before = _Builder(graph, fused, fake_mode, meta_from)
+    grad_free = [before.call("detach", n, method=True) if _needs_grad(n) else n for n in externals]
+    fused.update_arg(7, grad_free)
     fused.update_arg(8, register_loss(fn, fn.code))
     b = _Builder(graph, loss.next, fake_mode, meta_from)
     zero = b.call(_anchor_op(), call["h"], call["weight"], *call["grads"])
@@ -1359,6 +1366,10 @@ def _finish_loss_aware(graph, plan: LA.LossPlan, replaced, call: dict, fake_mode
     expect(with_anchor, G.example_value(loss))
     loss.replace_all_uses_with(with_anchor, delete_user_cb=lambda u: u is not with_anchor)
     return f"loss-aware mode (3 GEMMs: grads in the forward for the loss {plan.loss.name})"
+
+
+def _needs_grad(node: fx.Node) -> bool:
+    return bool(getattr(G.example_value(node), "requires_grad", False))
 
 
 # where torch.compile's activation checkpointing looks for a selective-checkpoint policy of a checkpoint body

@@ -171,6 +171,8 @@ def expand(call: KernelCall, b: Any) -> list[fx.Node]:
             continue
         if key == "logp":
             index = call.index if G.dtype(call.index) == torch.int64 else b.call("long", call.index, method=True)
+            if keep is not None:  # the kernel never reads a masked row's label (it may be out of range, -100 say)
+                index = b.call(torch.where, keep, index, 0)
             picked = b.call(torch.gather, logp_all, -1, b.call("unsqueeze", index, -1, method=True))
             value = b.call("squeeze", picked, -1, method=True)
         else:

@@ -109,7 +109,7 @@ def _is_sink(node: fx.Node, modes: dict[fx.Node, bool | None]) -> bool:
 def _classify(node: fx.Node, vals: dict[fx.Node, Any]) -> Any:
     """The abstract value of ``node`` given its classified inputs, or None (not per-token / linear math)."""
     name = name_of(node)
-    ins = [a for a in node.all_input_nodes if a in vals]
+    ins = [a for a in _operands(node) if a in vals]  # once per occurrence: x * x has two (not linear in x)
     if not ins or name is None:
         return None
     grad = any(vals[a].grad for a in ins)
@@ -122,7 +122,7 @@ def _classify(node: fx.Node, vals: dict[fx.Node, Any]) -> Any:
         keeps_grad = v.grad and out_dtype is not None and out_dtype.is_floating_point
         if isinstance(v, Lin):
             return Lin(keeps_grad)
-        step = (name, *(a if not isinstance(a, fx.Node) else ("node", a) for a in node.args[1:]))
+        step = (name, *(_hashable(a) for a in node.args[1:]))
         step += tuple(sorted((k, repr(x)) for k, x in node.kwargs.items()))
         return Tok(v.path if name in _CASTS or name in ("contiguous", "clone") else (*v.path, step), keeps_grad)
     if name in _REDUCTIONS:
@@ -141,6 +141,28 @@ def _classify(node: fx.Node, vals: dict[fx.Node, Any]) -> Any:
     if kinds == {Lin} and name in _SMOOTH and _linear(node, name, ins):
         return Lin(grad)
     return None
+
+
+def _operands(node: fx.Node) -> list[fx.Node]:
+    """The fx.Node operands of ``node`` (args, then kwargs, nested lists included), repeats kept."""
+    out: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), out.append)
+    return out
+
+
+def _hashable(a: Any) -> Any:
+    """A hashable stand-in for a view's argument (slices are unhashable before Python 3.12)."""
+    if isinstance(a, fx.Node):
+        return ("node", a)
+    if isinstance(a, slice):
+        return ("slice", _hashable(a.start), _hashable(a.stop), _hashable(a.step))
+    if isinstance(a, tuple | list):
+        return (type(a).__name__, *map(_hashable, a))
+    try:
+        hash(a)
+    except TypeError:
+        return ("repr", repr(a))
+    return a
 
 
 def _linear(node: fx.Node, name: str, ins: list[fx.Node]) -> bool:
@@ -226,6 +248,50 @@ def _reach(roots: list[fx.Node], step: Any) -> set[fx.Node]:
             if a not in out:
                 out.add(a)
                 todo.append(a)
+    return out
+
+
+def check_externals(plan: LossPlan, at: fx.Node, modes: dict[fx.Node, bool | None]) -> str | None:
+    """The op runs just before ``at`` (the log-probs' first use) and evaluates F on the externals' values there,
+    while the graph's loss math reads them later: they must be the same values. So what the externals are
+    computed from must not change in place after ``at``, and what is computed after ``at`` (moved above it for
+    the op) must be computed in ``at``'s grad mode. Returns the reason when not (None: fine)."""
+    graph = at.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    needed = _reach(list(plan.externals), lambda n: n.all_input_nodes)
+    for n in sorted(needed, key=order.__getitem__):
+        if order[n] >= order[at] and modes.get(n) != modes.get(at):
+            return f"the loss math reads {n.name}, computed after the log-probs' first use in another grad mode"
+    roots = {_storage_root(n) for n in needed}
+    for node in list(graph.nodes)[order[at] :]:
+        for target in _mutated(node):
+            if _storage_root(target) in roots:
+                return (
+                    f"the loss math reads {target.name} (or a view of it), which {node.name} changes in place after "
+                    "the log-probs are first used"
+                )
+    return None
+
+
+def _storage_root(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node`` shares: back through views, slices and in-place results."""
+    while node.args and isinstance(node.args[0], fx.Node):
+        if not (G.is_view_like(node) or name_of(node) in _VIEWS or G.is_inplace(node) or G.op(node) == "detach"):
+            break
+        node = node.args[0]
+    return node
+
+
+def _mutated(node: fx.Node) -> list[fx.Node]:
+    """The tensors ``node`` writes into: an in-place op's self, ``x[i] = v``'s x, ``out=``, a Triton launch's
+    arguments."""
+    out = []
+    if (G.is_inplace(node) or node.target is operator.setitem) and node.args and isinstance(node.args[0], fx.Node):
+        out.append(node.args[0])
+    if isinstance(node.kwargs.get("out"), fx.Node):
+        out.append(node.kwargs["out"])
+    if getattr(node.target, "__name__", None) == "triton_kernel_wrapper_mutation":
+        out += [a for a in node.kwargs.get("kwargs", {}).values() if isinstance(a, fx.Node)]
     return out
 
 

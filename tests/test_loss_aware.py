@@ -103,16 +103,24 @@ def make_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return h, ids, batch
 
 
-def run(loss_fn, *, scale=1.0, options=None, dynamic=None, h_dtype=torch.float32):
+def _copy(batch: dict) -> dict:
+    return {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in batch.items()}
+
+
+def run(loss_fn, *, scale=1.0, options=None, dynamic=None, h_dtype=torch.float32, extra=None):
     """Compile ``loss_fn``; its first output times ``scale`` (a scale after the graph: gradient accumulation, a
-    GradScaler) is backpropagated; loss, outputs and grads must equal eager's. Returns the report."""
+    GradScaler) is backpropagated; loss, outputs and grads (of h, the lm_head and the batch tensors that require
+    grad) must equal eager's. ``extra``: more batch tensors. Each side gets its own copy of the batch (a loss may
+    change it in place). Returns the report."""
     torch.manual_seed(0)
     model = Head()
     reference = copy.deepcopy(model)
     h, ids, batch = make_batch()
+    batch.update(extra or {})
+    batch, batch_ref = _copy(batch), _copy(batch)
     h = h.to(h_dtype).requires_grad_()
     h_ref = h.detach().clone().requires_grad_()
-    expected = loss_fn(reference, h_ref, ids, batch)
+    expected = loss_fn(reference, h_ref, ids, batch_ref)
     options = compile_options(**(options or {}))
     compiled = torch.compile(loss_fn, backend="tilecompile", options=options, dynamic=dynamic)
     actual = compiled(model, h, ids, batch)
@@ -125,6 +133,9 @@ def run(loss_fn, *, scale=1.0, options=None, dynamic=None, h_dtype=torch.float32
     atol = 1e-7 * scale  # grads are scale times larger: the same relative bar
     assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=atol, name="grad of h")
     assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, rtol=1e-5, atol=atol, name="grad of W")
+    for k, v in batch.items():
+        if v.requires_grad:
+            assert_close(v.grad, batch_ref[k].grad, rtol=1e-5, atol=atol, name=f"grad of {k}")
     return tilecompile.report()
 
 
@@ -177,6 +188,85 @@ def test_low_precision_loss_keeps_its_dtype(dtype):
     assert_close(h.grad.float(), h_ref.grad.float(), rtol=5e-2, atol=2e-3, name="grad of h")
     w, w_ref = model.lm_head.weight.grad, reference.lm_head.weight.grad
     assert_close(w.float(), w_ref.float(), rtol=5e-2, atol=2e-3, name="grad of W")
+
+
+# Found by review: loss forms the mode must either get right or refuse (each once gave wrong grads or a crash).
+
+
+def value_head_loss(model, h, ids, batch):
+    """Actor-critic PPO: the loss math reads a value head on h, an external that requires grad."""
+    logp, _ = logp_entropy(model, h, ids)
+    pg, _ = ppo_clip(logp, batch["old"], batch["adv"])
+    value = h[:, :-1] @ batch["wv"]
+    return masked_mean(pg, batch["mask"]) + 0.5 * masked_mean((value - batch["ref"]) ** 2, batch["mask"])
+
+
+def learnable_entropy_coefficient(model, h, ids, batch):
+    logp, entropy = logp_entropy(model, h, ids)
+    return masked_mean(-logp * batch["adv"][:, None] - batch["log_alpha"].exp() * entropy, batch["mask"])
+
+
+def square_of_a_mean(model, h, ids, batch):
+    d = masked_mean(logp_entropy(model, h, ids)[0], batch["mask"]) + 1.0
+    return d * d  # not linear in the log-probs, though one operand: S is d, its square autograd's business
+
+
+def sliced_logprobs(model, h, ids, batch):
+    logp, _ = logp_entropy(model, h, ids)
+    return (torch.sigmoid(logp[:, 1:]) * batch["mask"][:, 1:]).sum()  # OpenRLHF's log_probs[:, -num_actions:]
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "extra"),
+    [
+        (value_head_loss, {"wv": torch.randn(D).requires_grad_()}),
+        (learnable_entropy_coefficient, {"log_alpha": torch.tensor(-2.0).requires_grad_()}),
+        (square_of_a_mean, None),
+        (sliced_logprobs, None),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_loss_aware_mode_on_review_cases(loss_fn, extra):
+    # blocks of 7 rows of the 30 tokens: a loss treated as linear when it is not shows up across blocks
+    assert "loss-aware mode" in detail(run(loss_fn, extra=extra, options={"ce_loss_block_rows": 7}))
+
+
+def advantage_scaled_in_place(model, h, ids, batch):
+    logp, _ = logp_entropy(model, h, ids)
+    first = torch.sigmoid(logp)  # the log-probs' first use: where the op runs
+    batch["adv"].mul_(3.0)  # the loss math reads the advantages after this
+    return masked_mean(first * (batch["adv"][:, None] * 0.5), batch["mask"])
+
+
+def baseline_under_no_grad(model, h, ids, batch):
+    logp, _ = logp_entropy(model, h, ids)
+    first = torch.sigmoid(logp)
+    with torch.no_grad():
+        baseline = h[:, :-1] @ batch["wv"]  # computed after the first use: moving it above would give it a grad
+    return masked_mean(first * baseline, batch["mask"])
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "why"),
+    [(advantage_scaled_in_place, "changes in place"), (baseline_under_no_grad, "another grad mode")],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_externals_changed_after_the_op_keep_the_recompute_mode(loss_fn, why):
+    d = detail(run(loss_fn, extra={"wv": torch.randn(D)}))
+    assert "recompute mode" in d and why in d, d
+
+
+@pytest.mark.slow
+def test_time_major_logits_through_inductor():
+    """Transposed logits: the op's fake grad_h must have the real one's (contiguous) strides, or Inductor's
+    stride assertion fails at run time."""
+
+    def time_major(model, h, ids, batch):
+        z = model.lm_head(h)[:, :-1].float().transpose(0, 1)
+        logp = torch.gather(F.log_softmax(z, -1), -1, ids[:, 1:].t()[..., None]).squeeze(-1)
+        return -(logp * batch["mask"].t()).mean()
+
+    assert "loss-aware mode" in detail(run(time_major, options={"inner": "inductor"}))
 
 
 def test_switched_off_by_the_option():

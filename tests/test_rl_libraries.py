@@ -208,8 +208,9 @@ def trl_kernel_path(trl_utils, monkeypatch):
     return trl_utils
 
 
-def trl_step(utils, spelling: str):
-    """``row_mask``: the temperature argument and TRL's row mask; ``grpo``: TRL's GRPO trainer (``logits /= t``)."""
+def trl_step(utils, spelling: str, pad_label: int | None = None):
+    """``row_mask``: the temperature argument and TRL's row mask (masked rows' labels set to ``pad_label``, which
+    TRL's kernel never reads; its torch code gathers them); ``grpo``: TRL's GRPO trainer (``logits /= t``)."""
 
     def step(model, ids, mask, old_logp, advantages):
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
@@ -219,7 +220,8 @@ def trl_step(utils, spelling: str):
             entropy = utils.entropy_from_logits(logits)
         else:
             keep = mask[:, 1:].bool()
-            logp = utils.selective_log_softmax(logits, ids[:, 1:], temperature=TEMPERATURE, row_mask=keep)
+            labels = ids[:, 1:] if pad_label is None else ids[:, 1:].masked_fill(~keep, pad_label)
+            logp = utils.selective_log_softmax(logits, labels, temperature=TEMPERATURE, row_mask=keep)
             entropy = utils.entropy_from_logits(logits / TEMPERATURE)
         return ppo_loss(logp, entropy, mask, old_logp, advantages)
 
@@ -236,9 +238,8 @@ def test_trl_triton_kernel_path_is_fused(trl_utils, trl_kernel_path, spelling):
         undo.setattr(trl_utils, "_supports_trl_loss_kernel", lambda *args, **kwargs: False)
         expected = expected_step(reference, *inputs)
     expected.backward()
-    actual = torch.compile(trl_step(trl_kernel_path, spelling), backend="tilecompile", options=compile_options())(
-        model, *inputs
-    )
+    compiled = trl_step(trl_kernel_path, spelling, pad_label=-100)
+    actual = torch.compile(compiled, backend="tilecompile", options=compile_options())(model, *inputs)
     rep = tilecompile.report()
     (fused,) = [r for r in rep.rewrites if r.pass_name == "fused_linear_ce"]
     assert "read from 2 call(s) of TRL's Triton log-prob/entropy kernel" in fused.detail, fused.detail

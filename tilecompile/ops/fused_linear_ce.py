@@ -368,7 +368,8 @@ def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, 
     _check_static(h, weight, labels, temperature)
     logp = labels.new_empty(labels.shape, dtype=torch.float32)
     ent = labels.new_empty(labels.shape if with_entropy else (0,), dtype=torch.float32)
-    return logp, ent, torch.empty_like(h), torch.empty_like(weight)
+    # contiguous, as the op returns them (empty_like would keep a transposed h's strides)
+    return logp, ent, h.new_empty(h.shape), weight.new_empty(weight.shape)
 
 
 @torch.library.custom_op("tilecompile::loss_anchor", mutates_args=())
