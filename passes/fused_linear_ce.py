@@ -1520,18 +1520,20 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if fake_mode is None:
             break
         wide.append(LK.expand(call, _Builder(gm.graph, call.node, fake_mode, call.node)))
+    G.eliminate_dead_code(gm.graph)  # what only the launches read (their strides, under dynamic shapes) is no use
     result = _run(gm, ctx) if len(wide) == len(kernels) else None
     live = set(gm.graph.nodes)
     if result is not None and not any(n in live for nodes in wide for n in nodes):
         for rewrite in result.rewrites:
-            rewrite.detail += f"; read from {len(kernels)} call(s) of TRL's Triton log-prob/entropy kernel"
+            rewrite.detail += f"; read from {len(kernels)} call(s) of TRL's Triton log-prob/entropy kernel (graph-wide)"
         return result
     why = "; ".join(dict.fromkeys(s.reason for s in result.skipped)) if result else "no fake tensors on its logits"
+    why = why or "its logits' linear is not an lm_head candidate"
     gm.graph, gm.meta = saved, meta
     gm.recompile()
     result = _run(gm, ctx)
     for call in kernels:
-        reason = f"left as is: the lm_head pass did not fuse the math it computes ({why or 'no lm_head linear'})"
+        reason = f"left as is: the lm_head pass did not fuse the math it computes ({why})"
         result.skipped.append(R.Skip(NAME, LK.describe(call), G.module_path(call.node), reason))
     return result
 

@@ -407,3 +407,42 @@ def test_failed_import_breaks_the_graph_when_switched_off_and_for_other_backends
         out = torch.compile(_optional_fast_path, backend=backend, options=options)(x)
         assert_close(out, x.cos().sin() * 2, rtol=0, atol=0)
         assert counters["frames"]["total"] > 1 and counters["stats"]["unique_graphs"] != 1, (backend, counters)
+
+
+_DDP_SCRIPT = """
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        try:
+            import tilecompile_no_such_module  # noqa: F401
+        except ImportError:
+            y = y * 2
+        return self.lin(y).sum()
+
+model = torch.nn.parallel.DistributedDataParallel(M())
+torch.compile(model, backend="tilecompile", options={"strict": True, "inner": "aot_eager"})(torch.randn(2, 4))
+print("GRAPHS", torch._dynamo.utils.counters["stats"]["unique_graphs"])
+dist.destroy_process_group()
+"""
+
+
+def test_failed_import_is_traced_under_ddp_too():
+    """Under DDP, Dynamo's compiler is DDPOptimizer.compile_fn wrapping the backend: the import is still traced
+    (it was not, and the module's whole forward then ran eager: no graph)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PORT": port}
+    done = subprocess.run([sys.executable, "-c", _DDP_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "GRAPHS 1" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -250,23 +250,29 @@ def test_trl_triton_kernel_path_is_fused(trl_utils, trl_kernel_path, spelling):
     assert_grads_close(model, reference, rtol=1e-5, atol=1e-6)
 
 
-def test_trl_triton_kernel_under_no_grad_is_fused(trl_utils, trl_kernel_path):
-    """Old / reference log-probs: under no_grad Dynamo inlines the kernel's launch into empty buffers."""
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_trl_triton_kernel_under_no_grad_is_fused(trl_utils, trl_kernel_path, dynamic):
+    """Old / reference log-probs: under no_grad Dynamo inlines the kernel's launch into empty buffers (with
+    dynamic shapes the launch also reads the logits' symbolic strides; they must go with it, or they count as
+    another use of the logits)."""
+    weight = torch.randn(VOCAB, 16)
 
     def old_logprobs(utils):
-        def fn(model, ids):
+        def fn(h, ids):
             with torch.no_grad():
-                logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-                return utils.selective_log_softmax(logits, ids[:, 1:], temperature=TEMPERATURE)
+                return utils.selective_log_softmax(torch.nn.functional.linear(h, weight), ids, temperature=TEMPERATURE)
 
         return fn
 
-    model = tiny_qwen2()
-    ids = batch()[0]
+    g = torch.Generator().manual_seed(0)
+    h, ids = torch.randn(2, 7, 16, generator=g), torch.randint(0, VOCAB, (2, 7), generator=g)
     with pytest.MonkeyPatch.context() as undo:
         undo.setattr(trl_utils, "_supports_trl_loss_kernel", lambda *args, **kwargs: False)
-        expected = old_logprobs(trl_utils)(model, ids)
-    actual = torch.compile(old_logprobs(trl_kernel_path), backend="tilecompile", options=compile_options())(model, ids)
+        expected = old_logprobs(trl_utils)(h, ids)
+    options = compile_options()
+    actual = torch.compile(old_logprobs(trl_kernel_path), backend="tilecompile", options=options, dynamic=dynamic)(
+        h, ids
+    )
     (fused,) = [r for r in tilecompile.report().rewrites if r.pass_name == "fused_linear_ce"]
     assert "read from 1 call(s) of TRL's Triton" in fused.detail and "loss-aware" not in fused.detail, fused.detail
     assert_close(actual, expected, rtol=1e-5, atol=1e-6, name="log-probs")

@@ -77,3 +77,76 @@ def test_offloading_hooks_see_only_run_time_tensors_and_the_step_is_fully_rewrit
     n, vocab, inter = ids.numel() - ids.shape[0], 97, 96
     assert ours.bytes > 0
     assert plain.bytes - ours.bytes >= 4 * (n * vocab + 2 * ids.numel() * inter), (plain.bytes, ours.bytes)
+
+
+# The loss-aware lm_head op forms its per-token gradient with autograd inside its own forward, at run time.
+
+
+def _lm_head_loss(ids, mask):
+    def loss(h, w):
+        logp = torch.gather(torch.log_softmax(torch.nn.functional.linear(h, w).float(), -1), -1, ids[..., None])
+        return -(logp.squeeze(-1) * mask).sum() / mask.sum()
+
+    return loss
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    b, t, d, v = 2, 5, 8, 11
+    return torch.randn(b, t, d, generator=g), torch.randn(v, d, generator=g), torch.randint(0, v, (b, t), generator=g)
+
+
+def test_loss_aware_op_keeps_its_own_autograd_out_of_user_hooks():
+    """No unpack during the forward: the op's inner autograd does not go through the user's hooks."""
+    h0, w0, ids = _inputs()
+    body = _lm_head_loss(ids, torch.ones(ids.shape))
+    compiled = torch.compile(body, backend="tilecompile", options=compile_options())
+    compiled(h0.clone().requires_grad_(), w0.clone().requires_grad_())  # compile outside the hooks
+    assert "loss-aware mode" in tilecompile.report().rewrites[0].detail
+    seen = {"phase": "forward", "forward unpacks": 0}
+
+    def unpack(t):
+        seen["forward unpacks"] += seen["phase"] == "forward"
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        loss = compiled(h0.clone().requires_grad_(), w0.clone().requires_grad_())
+    seen["phase"] = "backward"
+    loss.backward()
+    assert seen["forward unpacks"] == 0
+
+
+def test_selective_checkpoint_around_a_compiled_loss():
+    """A user's selective activation checkpoint (its hooks and policy) around the compiled loss: the op's inner
+    autograd once unpacked through the checkpoint's hooks mid-forward ("not found in storage")."""
+    import functools
+
+    from torch.utils import checkpoint as C
+
+    h0, w0, ids = _inputs()
+    body = _lm_head_loss(ids, (torch.arange(ids.numel()).reshape(ids.shape) % 3 > 0).float())
+
+    def policy(ctx, op, *args, **kwargs):
+        return C.CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else C.CheckpointPolicy.PREFER_RECOMPUTE
+
+    def run(fn):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        context = functools.partial(C.create_selective_checkpoint_contexts, policy)
+        loss = C.checkpoint(fn, h * 1.0, w, use_reentrant=False, context_fn=context)
+        loss.backward()
+        return loss, h.grad, w.grad
+
+    expected = run(body)
+    actual = run(torch.compile(body, backend="tilecompile", options=compile_options()))
+    assert "loss-aware mode" in tilecompile.report().rewrites[0].detail
+    for a, e, name in zip(actual, expected, ("loss", "grad of h", "grad of W")):
+        assert_close(a, e, rtol=1e-5, atol=1e-6, name=name)
+
+
+def test_compile_with_saved_tensors_hooks_disabled():
+    h0, w0, ids = _inputs()
+    body = _lm_head_loss(ids, torch.ones(ids.shape))
+    h = h0.clone().requires_grad_()
+    with torch.autograd.graph.disable_saved_tensors_hooks("this region saves nothing through hooks"):
+        loss = torch.compile(body, backend="tilecompile", options=compile_options())(h, w0)
+    assert_close(loss, body(h0, w0), rtol=1e-5, atol=1e-6, name="loss")

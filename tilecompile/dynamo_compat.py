@@ -25,10 +25,13 @@ _ORIGINAL: Any = None
 def _tilecompile_options(tx: Any) -> dict[str, Any] | None:
     """The ``options=`` of the torch.compile call being traced when its backend is tilecompile, else None."""
     backend = getattr(getattr(tx, "output", None), "compiler_fn", None)
-    if getattr(backend, "compiler_name", None) != "tilecompile":
+    # under DDP (optimize_ddp) the compiler is DDPOptimizer.compile_fn, which calls the wrapped backend per bucket
+    backend = getattr(getattr(backend, "__self__", None), "backend_compile_fn", backend)
+    chain = [backend, getattr(backend, "_torchdynamo_orig_backend", None)]
+    if not any(getattr(b, "compiler_name", None) == "tilecompile" for b in chain):
         return None
-    wrapper = getattr(backend, "_torchdynamo_orig_backend", None)
-    return dict((getattr(wrapper, "kwargs", None) or {}).get("options") or {})
+    kwargs = next((b.kwargs for b in chain if isinstance(getattr(b, "kwargs", None), dict)), {})
+    return dict(kwargs.get("options") or {})
 
 
 def _import_name(tx: Any, inst: Any) -> None:

@@ -21,6 +21,7 @@ import torch.fx as fx
 from tilecompile import graph as G
 from tilecompile import reporting as R
 from tilecompile.config import Settings
+from tilecompile.ops import own_autograd
 
 log = logging.getLogger("tilecompile")
 
@@ -57,15 +58,11 @@ def load_pass(name: str):
     return importlib.import_module(f"tilecompile.passes.{name}")
 
 
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str = "graph") -> fx.GraphModule:
     # The passes fake-run new nodes on tensors that may require grad. A user's saved-tensors hooks (activation
     # offloading: verl, torchtune) would then pack fake tensors at compile time and fail on their data pointers;
     # they belong to run time. A pair of no-op hooks on top of the stack keeps them out while the passes run.
-    with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+    with own_autograd():
         return _run_passes(gm, settings, graph_name)
 
 

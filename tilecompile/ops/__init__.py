@@ -1,0 +1,24 @@
+"""tilecompile's custom ops (one module per fused region), and what their implementations share."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def own_autograd() -> Iterator[None]:
+    """Autograd that tilecompile runs for itself (the passes' fake runs at compile time, the loss-aware op's
+    per-token gradient at run time) stays out of the user's saved-tensors hooks (activation offloading, and the
+    hooks of non-reentrant checkpointing, which would start a recomputation in the middle of the forward): a pair
+    of no-op hooks goes on top of the stack. Where hooks are disabled (``disable_saved_tensors_hooks``), none can
+    run and none may be pushed."""
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)()
+    with torch.autograd.graph.saved_tensors_hooks(_keep, _keep) if enabled else contextlib.nullcontext():
+        yield

@@ -31,6 +31,7 @@ import torch
 
 from tilecompile import config
 from tilecompile.kernels import fused_linear_ce as K
+from tilecompile.ops import own_autograd
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LABEL_DTYPES = (torch.int32, torch.int64)
@@ -324,6 +325,7 @@ def _autograd_inside_op():
         torch.utils._python_dispatch._disable_current_modes(),
         torch._C._ForceDispatchKeyGuard(include, exclude - _AUTOGRAD_KEYS),
         torch.enable_grad(),
+        own_autograd(),
     ):
         yield
 
