@@ -8,7 +8,7 @@ the exact gradient of those (0 on masked rows). Dynamo records it as an ``autogr
 body launches ``_forward_kernel`` (under grad), or as that launch writing into empty buffers (under no_grad).
 
 Find: such a call, known by the kernel's module and name and read through its parameter names. Expand: the same
-math in torch ops (``log_softmax`` / ``gather``, ``−Σ softmax·log_softmax``, ``masked_fill`` for the row mask) in
+math in torch ops (``log_softmax`` / ``gather``, ``−Σ softmax·log_softmax``, ``where`` for the row mask) in
 the kernel's place. The kernel itself reads the whole [..., V] logits but stores only per-row values, so the plain
 math is worse unless the lm_head pass fuses it: ``passes/fused_linear_ce.py`` keeps an expansion only when it does.
 """
