@@ -116,17 +116,11 @@ def _from_launch(node: fx.Node) -> KernelCall | None:
         if not isinstance(buffer, fx.Node) or G.op(buffer) not in ("empty", "empty_like"):
             return None
         later = [u for u in buffer.users if position[u] > position[node]]
-        if any(G.is_inplace(u) or G.is_view_like(u) or _writes(u) for u in later):
+        if any(G.is_view_like(u) or G.mutated_args(u) for u in later):
             return None  # the buffer is written again or aliased afterwards: not a plain value
         outputs[key] = [buffer]
     mask = launch["row_mask_ptr"] if launch["HAS_MASK"] else None
     return KernelCall(node, launch["logits_ptr"], launch["index_ptr"], mask, float(launch["TEMPERATURE"]), outputs)
-
-
-def _writes(node: fx.Node) -> bool:
-    """``node`` may write into its tensor arguments: ``x[i] = v``, ``out=``, another kernel launch."""
-    name = getattr(node.target, "__name__", None)
-    return node.target is operator.setitem or "out" in node.kwargs or name == "triton_kernel_wrapper_mutation"
 
 
 def find(gm: fx.GraphModule) -> list[KernelCall]:

@@ -264,7 +264,7 @@ def check_externals(plan: LossPlan, at: fx.Node, modes: dict[fx.Node, bool | Non
             return f"the loss math reads {n.name}, computed after the log-probs' first use in another grad mode"
     roots = {_storage_root(n) for n in needed}
     for node in list(graph.nodes)[order[at] :]:
-        for target in _mutated(node):
+        for target in G.mutated_args(node):
             if _storage_root(target) in roots:
                 return (
                     f"the loss math reads {target.name} (or a view of it), which {node.name} changes in place after "
@@ -280,19 +280,6 @@ def _storage_root(node: fx.Node) -> fx.Node:
             break
         node = node.args[0]
     return node
-
-
-def _mutated(node: fx.Node) -> list[fx.Node]:
-    """The tensors ``node`` writes into: an in-place op's self, ``x[i] = v``'s x, ``out=``, a Triton launch's
-    arguments."""
-    out = []
-    if (G.is_inplace(node) or node.target is operator.setitem) and node.args and isinstance(node.args[0], fx.Node):
-        out.append(node.args[0])
-    if isinstance(node.kwargs.get("out"), fx.Node):
-        out.append(node.kwargs["out"])
-    if getattr(node.target, "__name__", None) == "triton_kernel_wrapper_mutation":
-        out += [a for a in node.kwargs.get("kwargs", {}).values() if isinstance(a, fx.Node)]
-    return out
 
 
 def _ancestors_within(node: fx.Node, vals: dict[fx.Node, Any]) -> set[fx.Node]:

@@ -500,6 +500,19 @@ def is_inplace(node: fx.Node) -> bool:
     return False
 
 
+def mutated_args(node: fx.Node) -> list[fx.Node]:
+    """The tensors ``node`` writes into: an in-place op's self, ``x[i] = v``'s x, ``out=``, a Triton launch's
+    arguments (Dynamo's ``triton_kernel_wrapper_mutation``: any of them may be written)."""
+    out = []
+    if (is_inplace(node) or node.target is operator.setitem) and node.args and isinstance(node.args[0], fx.Node):
+        out.append(node.args[0])
+    if isinstance(node.kwargs.get("out"), fx.Node):
+        out.append(node.kwargs["out"])
+    if getattr(node.target, "__name__", None) == "triton_kernel_wrapper_mutation":
+        out += [a for a in node.kwargs.get("kwargs", {}).values() if isinstance(a, fx.Node)]
+    return out
+
+
 def eliminate_dead_code(graph: fx.Graph) -> bool:
     """``graph.eliminate_dead_code()`` that keeps calls made for their side effects: in-place calls with no users
     (FX would drop ``x.div_(t)``), and calls that return nothing, such as a user's Triton kernel, which Dynamo
