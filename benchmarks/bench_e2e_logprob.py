@@ -8,14 +8,16 @@ h [B, T, D] stands in for the trunk's output (requires grad); the lm_head weight
 Methods: ``eager``; ``inductor`` (``torch.compile(step)``); ``tilecompile`` (``torch.compile(step,
 backend="tilecompile")``: the fused_linear_ce pass rewrites the lm_head region to the fused op in its loss-aware
 mode, Inductor compiles the rest); ``tilecompile-recompute`` (the same with ``ce_loss_aware`` off: the op's
-backward recomputes the logits). The report's mode is in the CSV. Time: median of ``--reps`` fwd+bwd timings
-after a warm-up that includes compilation (CUDA events on the GPU, perf_counter on CPU). Peak extra memory:
+backward recomputes the logits); ``tilecompile-eagergrad`` (loss-aware, the loss's per-token gradient run by eager
+autograd in each row block instead of compiled: ``ce_loss_grad_compile=off``). The report's mode is in the CSV.
+Time: median of ``--reps`` fwd+bwd timings after a warm-up that includes compilation (CUDA events on the GPU,
+perf_counter on CPU). Peak extra memory:
 ``max_memory_allocated`` during one step minus what is allocated with the inputs in place (CUDA only). Errors:
 loss, dh and dW relative to eager (fp32 eager on CPU; same dtype on GPU).
 FLOP floor of the lm_head part: fwd+bwd = 6·N·D·V.
 
 usage: python benchmarks/bench_e2e_logprob.py [--shapes 16384:4096:151936,16384:1536:151936] [--reps 5]
-           [--only eager,inductor,tilecompile,tilecompile-recompute] [--csv PATH]
+           [--only eager,inductor,tilecompile,tilecompile-recompute,tilecompile-eagergrad] [--csv PATH]
        python benchmarks/bench_e2e_logprob.py --tiny      (CPU, N=64 D=32 V=257 fp32: checks that it runs)
 """
 
@@ -93,6 +95,8 @@ def build(method: str):
         return torch.compile(ppo_step, backend="tilecompile")
     if method == "tilecompile-recompute":  # the same with the loss-aware mode off: the op recomputes z (4 GEMMs)
         return torch.compile(ppo_step, backend="tilecompile", options={"ce_loss_aware": False})
+    if method == "tilecompile-eagergrad":  # loss-aware, the loss's per-token gradient by eager autograd per block
+        return torch.compile(ppo_step, backend="tilecompile", options={"ce_loss_grad_compile": "off"})
     raise ValueError(f"unknown method {method!r}")
 
 

@@ -4,7 +4,11 @@ One PPO-style loss F(logp, entropy, old, adv, mask) over N tokens; times op forw
 of --reps after 2 warm-ups) and peak memory above the inputs, for several row-block sizes; errors of dh / dW
 against a float64 reference on a row subset are checked by tests, not here.
 
+Each row block evaluates the loss's per-token gradient; ``inductor-grad`` rows compile it (torch.func.grad under
+torch.compile) instead of running eager autograd.
+
 usage: python3 benchmarks/probe_loss_aware.py [--n 16384] [--dims 1536,4096] [--blocks 1024,1536,2048]
+       [--profile R] (kernel tables of the op at row block R, F's gradient eager and compiled)
 """
 
 from __future__ import annotations
@@ -74,20 +78,21 @@ def bench(n: int, d: int, v: int, key: int, blocks: list[int], reps: int, profil
         lp, ent = torch.ops.tilecompile.fused_linear_logprob(h, w, y, 0.9, -100, True)
         ppo(lp, ent, old, adv, mask).backward()
 
-    def loss_aware(r):
+    def loss_aware(r, grad_backend="eager"):
         def run():
             h.grad = w.grad = None
             lp, ent, dh, dw = torch.ops.tilecompile.fused_linear_logprob_loss(
-                h.detach(), w.detach(), y, 0.9, -100, True, False, extras, key, r
+                h.detach(), w.detach(), y, 0.9, -100, True, False, extras, key, r, grad_backend
             )
             (ppo(lp, ent, old, adv, mask) + torch.ops.tilecompile.loss_anchor(h, w, dh, dw)).backward()
 
         return run
 
     variants = [("recompute (4 GEMMs)", recompute)] + [(f"loss-aware R={r}", loss_aware(r)) for r in blocks]
+    variants += [(f"loss-aware R={r} inductor-grad", loss_aware(r, "inductor")) for r in blocks]
     if profile:
-        _profile(loss_aware(profile), f"D={d} loss-aware R={profile}")
-        _profile(recompute, f"D={d} recompute")
+        _profile(loss_aware(profile), f"D={d} loss-aware R={profile} (F's gradient by eager autograd)")
+        _profile(loss_aware(profile, "inductor"), f"D={d} loss-aware R={profile} (F's gradient compiled)")
         return
     ref = None
     for name, fn in variants:
@@ -163,7 +168,11 @@ def _profile(fn, label: str) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    events = prof.key_averages()
+    print(events.table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60))
+    total = sum(e.device_time_total for e in events) / 1e3
+    kernels = sum(e.count for e in events if e.device_time_total > 0)
+    print(f"{label}: {kernels} kernel launches, {total:.1f} ms of kernel time")
 
 
 if __name__ == "__main__":

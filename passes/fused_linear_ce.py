@@ -1209,7 +1209,7 @@ def _rewrite_region(
                 fused = b.call(_vocab_parallel_op(), *args)
             elif plan is not None:  # extras and key are set once the loss function is extracted (below)
                 detached = [b.call("detach", x, method=True) for x in (hb, weight)]
-                args = [*detached, *args[2:7], [], 0, int(settings.ce_loss_block_rows)]
+                args = [*detached, *args[2:7], [], 0, int(settings.ce_loss_block_rows), _grad_backend(settings, device)]
                 fused = b.call(_loss_op(), *args)
                 with fake_mode:
                     expected = (
@@ -1366,6 +1366,14 @@ def _finish_loss_aware(graph, plan: LA.LossPlan, replaced, call: dict, fake_mode
     expect(with_anchor, G.example_value(loss))
     loss.replace_all_uses_with(with_anchor, delete_user_cb=lambda u: u is not with_anchor)
     return f"loss-aware mode (3 GEMMs: grads in the forward for the loss {plan.loss.name})"
+
+
+def _grad_backend(settings: Any, device: torch.device) -> str:
+    """The torch.compile backend the loss-aware op compiles its per-token gradient with ("eager": none)."""
+    choice = settings.ce_loss_grad_compile
+    if choice == "auto":
+        return "inductor" if device.type == "cuda" and settings.inner == "inductor" else "eager"
+    return "eager" if choice == "off" else choice
 
 
 def _needs_grad(node: fx.Node) -> bool:

@@ -7,7 +7,9 @@ not of the supported shape falls back to the recompute mode with a reason, and i
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -385,8 +387,121 @@ def test_op_without_a_registered_loss_says_so():
         torch.ops.tilecompile.fused_linear_logprob_loss(h, w, y, 1.0, -100, True, False, [], 12345, 0)
 
 
+# F's per-token gradient, compiled: the op evaluates it once per row block, so eager autograd's dozens of small
+# kernels each time are what compiling it (torch.func.grad under torch.compile) removes.
+
+_CALLS = {"compiles": 0, "runs": 0}
+
+
+@torch._dynamo.register_backend(name="tc_test_counting")
+def _counting_backend(gm, example_inputs):
+    from torch._dynamo.backends.debugging import aot_eager
+
+    _CALLS["compiles"] += 1
+    compiled = aot_eager(gm, example_inputs)
+
+    def call(*args):
+        _CALLS["runs"] += 1
+        return compiled(*args)
+
+    return call
+
+
+@torch._dynamo.register_backend(name="tc_test_failing")
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this backend always fails")
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """The compiled gradient's fallback to eager autograd (a warning) is an error."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tilecompile: compiling the loss-aware gradient")
+        yield
+
+
+def _op_case(rows: int, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(2, rows, D, generator=g), torch.randn(V, D, generator=g) * 0.3
+    y = torch.randint(0, V, (2, rows), generator=g)
+    y[1, 2] = -100
+    extras = [-torch.rand(2, rows, generator=g) - 2, torch.randn(2, 1, generator=g),
+              (torch.rand(2, rows, generator=g) > 0.2).float()]  # fmt: skip
+    return h, w, y, extras
+
+
+def _op_grads(case, key, backend, block_rows=5):
+    h, w, y, extras = case
+    return torch.ops.tilecompile.fused_linear_logprob_loss(
+        h, w, y, TEMPERATURE, -100, True, False, extras, key, block_rows, backend
+    )
+
+
+def test_op_compiled_gradient_equals_eager_and_compiles_once_per_shape_kind():
+    fn = fx.symbolic_trace(_ppo)
+    key = O.register_loss(fn, fn.code)
+    O._COMPILED.clear()
+    _CALLS.update(compiles=0, runs=0)
+    with no_fallback():
+        for rows, blocks in ((37, 15), (45, 18), (53, 22)):  # 2 x rows tokens in blocks of 5
+            case = _op_case(rows)
+            runs = _CALLS["runs"]
+            for a, e, name in zip(_op_grads(case, key, "tc_test_counting"), _op_grads(case, key, "eager"),
+                                  ("logp", "entropy", "dh", "dW")):  # fmt: skip
+                assert_close(a, e, rtol=1e-6, atol=1e-7, name=name)
+            assert _CALLS["runs"] - runs == blocks  # F's gradient ran compiled, once per row block
+    # the first length compiled static, the second recompiled with a symbolic length, the third reused it
+    assert _CALLS["compiles"] == 2
+
+
+def test_op_gradient_that_fails_to_compile_falls_back_to_eager_with_a_warning():
+    fn = fx.symbolic_trace(_ppo)
+    key = O.register_loss(fn, fn.code)
+    O._COMPILED.clear()
+    case = _op_case(37)
+    expected = _op_grads(case, key, "eager")
+    with pytest.warns(UserWarning, match="compiling the loss-aware gradient with backend 'tc_test_failing' failed"):
+        actual = _op_grads(case, key, "tc_test_failing")
+    for a, e in zip(actual, expected):
+        assert_close(a, e, rtol=0, atol=0)
+    with no_fallback():  # once is enough: the key stays on eager autograd
+        _op_grads(case, key, "tc_test_failing")
+
+
+@pytest.mark.parametrize("loss_fn", [ppo_token_mean, grpo_kl_seq_mean_token_mean, sft_cross_entropy, square_of_a_mean],
+                         ids=lambda f: f.__name__)  # fmt: skip
+def test_compiled_per_token_gradient_through_the_backend(loss_fn):
+    O._COMPILED.clear()
+    with no_fallback():
+        rep = run(loss_fn, options={"ce_loss_grad_compile": "aot_eager", "ce_loss_block_rows": 7})
+    assert "loss-aware mode" in detail(rep)
+    assert list(O._COMPILED) and all(f is not None for f in O._COMPILED.values())
+
+
+def test_compiled_per_token_gradient_with_inductor_on_cpu():
+    fn = fx.symbolic_trace(_ppo)
+    key = O.register_loss(fn, fn.code)
+    case = _op_case(37)
+    with no_fallback():
+        for a, e in zip(_op_grads(case, key, "inductor"), _op_grads(case, key, "eager")):
+            assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_compile_setting_picks_the_backend():
+    from passes.fused_linear_ce import _grad_backend
+    from tilecompile import config
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    auto = config.load({}, environ={})
+    assert _grad_backend(auto, cuda) == "inductor" and _grad_backend(auto, cpu) == "eager"
+    assert _grad_backend(config.load({"inner": "aot_eager"}, environ={}), cuda) == "eager"
+    assert _grad_backend(config.load({"ce_loss_grad_compile": "off"}, environ={}), cuda) == "eager"
+    assert _grad_backend(config.load({"ce_loss_grad_compile": "aot_eager"}, environ={}), cpu) == "aot_eager"
+
+
 @pytest.mark.gpu
-def test_bf16_on_gpu_against_float64():
+@pytest.mark.parametrize("grad_backend", ["eager", "inductor"])
+def test_bf16_on_gpu_against_float64(grad_backend):
     """bf16 grads of the loss-aware op against float64; the error may not exceed the recompute op's by much."""
     torch.manual_seed(0)
     n, d, v = 4096, 256, 32000
@@ -405,7 +520,7 @@ def test_bf16_on_gpu_against_float64():
         w = w64.bfloat16().requires_grad_()
         if which == "loss-aware":
             lp, ent, dh, dw = torch.ops.tilecompile.fused_linear_logprob_loss(
-                h.detach(), w.detach(), y, 1.0, -100, True, False, [old, adv, mask], key, 512
+                h.detach(), w.detach(), y, 1.0, -100, True, False, [old, adv, mask], key, 512, grad_backend
             )
             (_ppo(lp, ent, old, adv, mask) + torch.ops.tilecompile.loss_anchor(h, w, dh, dw)).backward()
         else:
@@ -416,7 +531,8 @@ def test_bf16_on_gpu_against_float64():
     h_ref, w_ref = h64.clone().requires_grad_(), w64.clone().requires_grad_()
     lp64, ent64 = K.reference_logprob_entropy(h_ref, w_ref, y)
     _ppo(lp64, ent64, old.double(), adv.double(), mask.double()).backward()
-    ours, recompute = grads("loss-aware"), grads("recompute")
+    with no_fallback():
+        ours, recompute = grads("loss-aware"), grads("recompute")
     for a, b, ref in zip(ours, recompute, (h_ref.grad, w_ref.grad)):
         assert rel_err(a, ref) <= 2 * rel_err(b, ref) + 1e-3, (rel_err(a, ref), rel_err(b, ref))
 

@@ -51,6 +51,11 @@ _SPECS: dict[str, _Spec] = {
     "ce_loss_aware": _Spec(bool, True, "lm_head grads computed in the forward when the graph ends in a scalar loss"),
     # fused_linear_ce, loss-aware mode: rows per block of whole-vocabulary logits; 0 = from the op's memory budget
     "ce_loss_block_rows": _Spec(int, 0, "rows per logits block in the loss-aware mode (0: automatic)"),
+    # fused_linear_ce, loss-aware mode: what compiles the loss's per-token gradient, run once per logits block;
+    # auto = inductor for CUDA tensors when the inner compiler is inductor, else eager autograd
+    "ce_loss_grad_compile": _Spec(
+        str, "auto", "compiler of the loss-aware mode's per-token gradient", ("auto", "inductor", "aot_eager", "off")
+    ),
     # fused_linear_ce: check labels on CUDA (one device-side check and a host sync per call)
     "check_inputs": _Spec(bool, False, "validate labels on CUDA (costs a host sync per call)"),
     # Dynamo: a failing import inside compiled code raises ImportError there, as in Python (dynamo_compat.py)
@@ -107,6 +112,7 @@ class Settings:
     ce_vocab_chunk: int
     ce_loss_aware: bool
     ce_loss_block_rows: int
+    ce_loss_grad_compile: str
     check_inputs: bool
     trace_import_errors: bool
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import types
+import warnings
 from typing import Any
 
 import torch
@@ -290,23 +292,77 @@ def _row_segments(h: torch.Tensor) -> list[torch.Tensor]:
     return [h.reshape(-1, d).contiguous()]
 
 
-def _per_token_grads(fn: Any, extras: list[torch.Tensor], shape: torch.Size, with_entropy: bool) -> Any:
+def _per_token_grads(
+    fn: Any, key: int, extras: list[torch.Tensor], shape: torch.Size, with_entropy: bool, backend: str
+) -> Any:
     """``grad_of(logp, ent, r0, r1)`` for the kernel: ∂S/∂logp and ∂S/∂H of rows [r0, r1), from F evaluated on the
     kernel's [N] buffers (viewed in labels' shape).
 
     The pass proved that each token's gradient depends on that token's values alone, so F on buffers whose later
-    rows are still 0 gives the exact gradient of the rows already done."""
+    rows are still 0 gives the exact gradient of the rows already done. F and its backward run once per row block
+    over all N rows: in eager that is dozens of tiny kernels each time; ``backend`` (a torch.compile backend, or
+    "eager") compiles them into a few (``_compiled_grads``)."""
+    compiled = _compiled_grads(fn, key, with_entropy, backend) if backend != "eager" else None
 
     def grad_of(logp: torch.Tensor, ent: torch.Tensor | None, r0: int, r1: int):
-        with _autograd_inside_op():
-            lp = logp.view(shape).detach().requires_grad_()
-            inputs = (lp, ent.view(shape).detach().requires_grad_()) if with_entropy else (lp,)
-            loss = fn(*inputs, *(() if with_entropy else (logp.new_zeros(0),)), *extras)
-            grads = torch.autograd.grad(loss.sum(), inputs, allow_unused=True)
+        lp = logp.view(shape)
+        e = ent.view(shape) if with_entropy else logp.new_zeros(0)
+        grads = compiled(lp, e, extras) if compiled is not None else None
+        if grads is None:
+            with _autograd_inside_op():
+                grads = _eager_grads(fn, with_entropy, lp, e, extras)
         grads = (*grads, None)[:2]
         return tuple(None if g is None else g.reshape(-1)[r0:r1].float().contiguous() for g in grads)
 
     return grad_of
+
+
+def _eager_grads(fn: Any, with_entropy: bool, lp: torch.Tensor, ent: torch.Tensor, extras: list[torch.Tensor]):
+    lp = lp.detach().requires_grad_()
+    inputs = (lp, ent.detach().requires_grad_()) if with_entropy else (lp,)
+    loss = fn(*inputs, *(() if with_entropy else (ent,)), *extras)
+    return torch.autograd.grad(loss.sum(), inputs, allow_unused=True)
+
+
+# (loss key, with_entropy, backend) -> F's gradient under torch.compile, or None once compiling it failed
+_COMPILED: dict[tuple[int, bool, str], Any] = {}
+
+
+def _compiled_grads(fn: Any, key: int, with_entropy: bool, backend: str) -> Any:
+    """``run(lp, ent, extras) -> grads or None``: F's per-token gradient (``torch.func.grad``) compiled with
+    ``backend``, one compiled function per loss key (Dynamo caches per code object, so each key gets its own copy of
+    the code: keys never share, or exhaust, one code object's recompile limit). Shapes follow torch.compile's
+    automatic dynamic (a second length recompiles once, symbolic). If compiling fails, the key falls back to eager
+    autograd with a warning (None): a training step is never lost to it."""
+    k = (key, with_entropy, backend)
+    if k not in _COMPILED:
+        argnums = (0, 1) if with_entropy else 0
+
+        def loss_grads(lp, ent, extras):
+            return torch.func.grad(lambda a, b: fn(a, b, *extras).sum(), argnums=argnums)(lp, ent)
+
+        code = loss_grads.__code__.replace(co_name=f"loss_grads_{key:x}")
+        own = types.FunctionType(code, loss_grads.__globals__, code.co_name, None, loss_grads.__closure__)
+        _COMPILED[k] = torch.compile(own, backend=backend, fullgraph=True)
+
+    def run(lp, ent, extras):
+        fn_k = _COMPILED.get(k)
+        if fn_k is None:
+            return None
+        try:
+            with _outside_op(all_keys=True):
+                g = fn_k(lp, ent, extras)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiled gradient: eager autograd does the step
+            _COMPILED[k] = None
+            warnings.warn(
+                f"tilecompile: compiling the loss-aware gradient with backend {backend!r} failed "
+                f"({type(e).__name__}: {e}); eager autograd computes it instead",
+                stacklevel=2,
+            )
+            return None
+        return g if with_entropy else (g,)
+
+    return run
 
 
 _AUTOGRAD_KEYS = (
@@ -316,17 +372,33 @@ _AUTOGRAD_KEYS = (
 )
 
 
+def _keys(prefix: str) -> Any:
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
+    for name, key in torch._C.DispatchKey.__members__.items():
+        if name.startswith(prefix):
+            keys = keys | torch._C.DispatchKeySet(key)
+    return keys
+
+
+_AUTOCAST_KEYS = _keys("Autocast")
+
+
+@contextlib.contextmanager
+def _outside_op(all_keys: bool = False):
+    """Code that runs inside the op's implementation as if called from outside: the op runs below the autograd
+    dispatch keys (and, at run time, inside AOTAutograd's dispatch modes and below every key above the backend:
+    torch.func, functionalization, ...). The modes are set aside; the autograd keys are put back, or with
+    ``all_keys`` every key but autocast's (which stays as it was: off here), as a nested torch.compile needs."""
+    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    keep = exclude & _AUTOCAST_KEYS if all_keys else exclude - _AUTOGRAD_KEYS
+    with torch.utils._python_dispatch._disable_current_modes(), torch._C._ForceDispatchKeyGuard(include, keep):
+        yield
+
+
 @contextlib.contextmanager
 def _autograd_inside_op():
-    """Autograd for F's gradient inside the op's implementation, which runs below the autograd dispatch keys (and,
-    at run time, inside AOTAutograd's dispatch modes and with torch.func off): those are put back as they were."""
-    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
-    with (
-        torch.utils._python_dispatch._disable_current_modes(),
-        torch._C._ForceDispatchKeyGuard(include, exclude - _AUTOGRAD_KEYS),
-        torch.enable_grad(),
-        own_autograd(),
-    ):
+    """Eager autograd for F's gradient inside the op's implementation, kept out of the user's saved-tensors hooks."""
+    with _outside_op(), torch.enable_grad(), own_autograd():
         yield
 
 
@@ -342,6 +414,7 @@ def fused_linear_logprob_loss(
     extras: list[torch.Tensor],
     loss_key: int,
     block_rows: int = 0,
+    grad_backend: str = "eager",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss-aware mode: (logp, entropy or empty [0], grad_h, grad_weight), not differentiable.
 
@@ -349,6 +422,7 @@ def fused_linear_logprob_loss(
     S = F(logp, entropy, *extras) (F registered under ``loss_key``), computed in the forward from the logits the
     forward has anyway (3 GEMMs). The pass calls it on detached h and weight and routes the gradient through
     ``loss_anchor``: S + loss_anchor(h, weight, grad_h, grad_weight) is S, and its backward is g·grad_h, g·grad_weight.
+    ``grad_backend``: the torch.compile backend that compiles F's per-token gradient ("eager": none).
     """
     _check_static(h, weight, labels, temperature)
     if loss_key not in _LOSS_FNS:
@@ -356,7 +430,7 @@ def fused_linear_logprob_loss(
     if not h.is_cuda or check_inputs:
         _check_labels(labels, weight.shape[0], ignore_index)
     labels1 = labels.reshape(-1).contiguous()
-    grad_of = _per_token_grads(_LOSS_FNS[loss_key], extras, labels.shape, with_entropy)
+    grad_of = _per_token_grads(_LOSS_FNS[loss_key], loss_key, extras, labels.shape, with_entropy, grad_backend)
     logp, ent, _stats, dh, dw = K.fused_linear_logprob_loss_fwd(
         _row_segments(h), weight, labels1, 1.0 / float(temperature), ignore_index, with_entropy, grad_of,
         block_rows=block_rows,
@@ -366,7 +440,8 @@ def fused_linear_logprob_loss(
 
 
 @fused_linear_logprob_loss.register_fake
-def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, extras, loss_key, block_rows=0):
+def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, extras, loss_key, block_rows=0,
+      grad_backend="eager"):  # fmt: skip
     _check_static(h, weight, labels, temperature)
     logp = labels.new_empty(labels.shape, dtype=torch.float32)
     ent = labels.new_empty(labels.shape if with_entropy else (0,), dtype=torch.float32)
