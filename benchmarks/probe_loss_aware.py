@@ -14,6 +14,7 @@ usage: python3 benchmarks/probe_loss_aware.py [--n 16384] [--dims 1536,4096] [--
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -128,20 +129,18 @@ def sweep_epilogues(rows: int, v: int, reps: int) -> None:
     glp, gent = torch.randn(rows, device=dev), torch.randn(rows, device=dev)
     gbytes = rows * v * 2 / 1e9
     default = dict(K._FWD_LAUNCH)
-    for cap in (2048, 4096, 8192):
-        for warps in (4, 8, 16):
-            for per_sm in (1, 4, 16):
-                K._FWD_LAUNCH.update(cap=cap, warps=warps, grid_per_sm=per_sm)
+    for vec, cap, warps, per_sm in itertools.product((True, False), (2048, 4096, 8192), (4, 8), (4, 16)):
+        K._FWD_LAUNCH.update(cap=cap, warps=warps, grid_per_sm=per_sm, vec=vec)
 
-                def fwd():
-                    state = (
-                        torch.full((rows,), float("-inf"), device=dev),
-                        *(torch.zeros(rows, device=dev) for _ in range(3)),
-                    )
-                    K._triton_fwd_epilogue(z, labels, state, logp, ent, stats, 0, 1.0, -100, True, True)
+        def fwd():
+            state = (
+                torch.full((rows,), float("-inf"), device=dev),
+                *(torch.zeros(rows, device=dev) for _ in range(3)),
+            )
+            K._triton_fwd_epilogue(z, labels, state, logp, ent, stats, 0, 1.0, -100, True, True)
 
-                ms = timed(fwd, reps)
-                print(f"fwd cap={cap} warps={warps} per_sm={per_sm}: {ms:.3f} ms ({gbytes / ms:.2f} TB/s)")
+        ms = timed(fwd, reps)
+        print(f"fwd vec={vec} cap={cap} warps={warps} per_sm={per_sm}: {ms:.3f} ms ({gbytes / ms:.2f} TB/s)")
     K._FWD_LAUNCH.update(default)
     for cap in (1024, 2048, 4096, 8192):
         K._BWD_BLOCK_CAP = cap

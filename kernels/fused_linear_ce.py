@@ -80,6 +80,7 @@ if HAS_TRITON:
         HAS_ENTROPY: tl.constexpr,
         IS_LAST: tl.constexpr,
         SINGLE_TILE: tl.constexpr,
+        VEC_ACC: tl.constexpr,
         BLOCK_C: tl.constexpr,
         NUM_STAGES: tl.constexpr,
     ):
@@ -104,6 +105,27 @@ if HAS_TRITON:
             if SINGLE_TILE:
                 x = tl.load(z_row + offs, mask=offs < n_load, other=float("-inf")).to(tl.float32) * inv_t
                 m, s, a = _online_update(x, m, s, a)
+            elif VEC_ACC:
+                # Σe and Σe·(x - m) kept per lane, relative to the row's running max m, and summed once at the
+                # row's end: one reduction per tile (the max) instead of three. The carried (s, a) start in lane 0.
+                s_vec = tl.where(offs == 0, s, 0.0)
+                a_vec = tl.where(offs == 0, a, 0.0)
+                for c0 in range(0, n_cols, BLOCK_C):
+                    cols = c0 + offs
+                    x = tl.load(z_row + cols, mask=cols < n_load, other=float("-inf")).to(tl.float32) * inv_t
+                    m_new = tl.maximum(m, tl.max(x, axis=0))
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    if m_new > m:  # the max moved: rescale (uniform across the program)
+                        alpha = tl.exp(m - m_ref)
+                        shift = tl.where(m == float("-inf"), 0.0, m - m_ref)
+                        a_vec = alpha * (a_vec + shift * s_vec)
+                        s_vec = alpha * s_vec
+                    e = tl.exp(x - m_ref)
+                    s_vec += e
+                    a_vec += tl.where(e > 0.0, e * (x - m_ref), 0.0)
+                    m = m_new
+                s = tl.sum(s_vec, axis=0)
+                a = tl.sum(a_vec, axis=0)
             else:
                 for c0 in range(0, n_cols, BLOCK_C):
                     cols = c0 + offs
@@ -193,7 +215,7 @@ def _block_c(n_cols: int, cap: int) -> int:
 # (software-pipelined ``stages`` deep). Swept on H200 (benchmarks/probe_gemm.py, N=16384, V=151936, bf16): the
 # former setting (one tile of the whole chunk row, 8 warps, 4 programs per SM) read the logits at 1.6 TB/s; 4 warps
 # with 16 programs per SM over 2048-wide tiles read them at 2.0-2.4 TB/s (C = 4096-16384), half of the 4.8 TB/s.
-_FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1}
+_FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1, "vec": True}
 # The backward epilogue is elementwise per row (no reductions), so a modest tile streams at full bandwidth.
 _BWD_BLOCK_CAP = 2048
 
@@ -221,8 +243,8 @@ def _triton_fwd_epilogue(z, labels, state, logp, ent, stats, v_start, inv_t, ign
     _fused_linear_ce_fwd_kernel[(grid,)](
         z, labels, m, s, a, zy, logp, ent if ent is not None else logp, stats,
         n, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
-        HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, BLOCK_C=block,
-        NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
+        HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, VEC_ACC=cfg["vec"],
+        BLOCK_C=block, NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
     )  # fmt: skip
 
 
@@ -495,7 +517,8 @@ def fused_linear_logprob_loss_fwd(
     """Loss-aware forward: log-probs, entropy and the gradients of a scalar loss, in 3 GEMMs instead of 4.
 
     ``h`` is [N, D], or a list of [n_i, D] row segments (each with unit column stride) whose rows, in order, are
-    the N rows: a shifted ``h[:, :-1]`` is passed as one segment per sequence instead of being copied.
+    the N rows: a shifted ``h[:, :-1]`` is passed as one segment per sequence instead of being copied (a block that
+    spans two segments gathers its rows into one [R, D] buffer, so the blocks stay full).
     For row blocks R that hold the whole vocabulary: z_R = h_R·Wᵀ, the forward epilogue gives logp_R, H_R and the
     row statistics; ``grad_of(logp, entropy, r0, r1)`` then returns the loss's per-token gradients (g_lp, g_H) of
     those rows (fp32 [R] or None), from the [N] buffers filled up to r1 (later rows are still 0); the backward
@@ -523,35 +546,50 @@ def fused_linear_logprob_loss_fwd(
     dw = torch.zeros(v, d, device=dev, dtype=gdt) if n == 0 else None
     scalar_t = float(inv_t)
     buf = torch.empty(min(r, max(n, 1)) * v, dtype=gdt, device=dev)
-    g0 = 0
-    for seg in segments:
-        hg = seg if seg.dtype == gdt else seg.to(gdt)
-        for s0 in range(0, seg.shape[0], r):
-            s1 = min(seg.shape[0], s0 + r)
-            rows, h_r = slice(g0 + s0, g0 + s1), hg[s0:s1]
-            z = buf[: (s1 - s0) * v].view(s1 - s0, v)
-            torch.mm(h_r, wg.t(), out=z)
-            state = (
-                torch.full((s1 - s0,), float("-inf"), device=dev, dtype=torch.float32),
-                *(torch.zeros(s1 - s0, device=dev, dtype=torch.float32) for _ in range(3)),
-            )
-            ent_r = ent[rows] if ent is not None else None
-            fwd_epilogue(z, labels[rows], state, logp[rows], ent_r, stats[rows], 0, scalar_t, ignore_index,
-                         with_entropy, True)  # fmt: skip
-            glp, gent = grad_of(logp, ent, rows.start, rows.stop)
-            bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index)
-            torch.mm(z, wg, out=dh[rows])
-            if dw is None:
-                dw = torch.mm(z.t(), h_r)
-            else:
-                dw.addmm_(z.t(), h_r)
-        g0 += seg.shape[0]
+    hs = [seg if seg.dtype == gdt else seg.to(gdt) for seg in segments]
+    stage = None  # a block's rows gathered from several segments (one [R, D] buffer, a few MiB)
+    for r0 in range(0, n, r):
+        r1 = min(n, r0 + r)
+        rows, pieces = slice(r0, r1), _rows_of(hs, r0, r1)
+        if len(pieces) == 1:
+            h_r = pieces[0]
+        else:
+            if stage is None:
+                stage = torch.empty(r, d, device=dev, dtype=gdt)
+            h_r = torch.cat(pieces, out=stage[: r1 - r0])
+        z = buf[: (r1 - r0) * v].view(r1 - r0, v)
+        torch.mm(h_r, wg.t(), out=z)
+        state = (
+            torch.full((r1 - r0,), float("-inf"), device=dev, dtype=torch.float32),
+            *(torch.zeros(r1 - r0, device=dev, dtype=torch.float32) for _ in range(3)),
+        )
+        ent_r = ent[rows] if ent is not None else None
+        fwd_epilogue(z, labels[rows], state, logp[rows], ent_r, stats[rows], 0, scalar_t, ignore_index,
+                     with_entropy, True)  # fmt: skip
+        glp, gent = grad_of(logp, ent, r0, r1)
+        bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index)
+        torch.mm(z, wg, out=dh[rows])
+        if dw is None:
+            dw = torch.mm(z.t(), h_r)
+        else:
+            dw.addmm_(z.t(), h_r)
     del buf
     if v == 0:
         logp.fill_(float("nan"))
         if ent is not None:
             ent.fill_(float("nan"))
     return logp, ent, stats, dh.to(dtype), dw.to(weight.dtype)
+
+
+def _rows_of(segments: list[torch.Tensor], r0: int, r1: int) -> list[torch.Tensor]:
+    """Rows [r0, r1) of the segments' concatenation, as slices of the segments."""
+    pieces, start = [], 0
+    for seg in segments:
+        lo, hi = max(r0, start), min(r1, start + seg.shape[0])
+        if lo < hi:
+            pieces.append(seg[lo - start : hi - start])
+        start += seg.shape[0]
+    return pieces
 
 
 def reference_logprob_entropy(

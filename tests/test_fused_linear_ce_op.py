@@ -323,13 +323,21 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     dh, dw = K.fused_linear_logprob_bwd(h.float(), w.float(), y, stats, ent, glp, gent, 1 / 0.7, -100, use_triton=True)
     for a, b in ((lp, lp_r), (ent, ent_r), (dh, hr.grad), (dw, wr.grad)):
         torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-5)
-    # The forward epilogue's multi-tile path (chunks wider than one tile), forced with a tiny tile cap.
+    # The forward epilogue's multi-tile paths (chunks wider than one tile), forced with a tiny tile cap: per-lane
+    # accumulators (vec) or three reductions a tile; the state carried from chunk to chunk (100 + 50 columns);
+    # a row whose max is in its first tile (no rescale after it) and one whose max comes last.
     K._FWD_LAUNCH["cap"] = 32
     h, w = torch.randn(n, 16), torch.randn(v, 16) / 4
-    got = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, True, chunk=100, use_triton=True)
-    exp = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, True, chunk=100, use_triton=False)
-    for a, b in zip(got, exp):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    w[0] = h[0] * 2
+    w[-1] = h[1] * 2
+    for vec in (True, False):
+        K._FWD_LAUNCH["vec"] = vec
+        for we in (True, False):
+            got = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, we, chunk=100, use_triton=True)
+            exp = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, we, chunk=100, use_triton=False)
+            for a, b in zip(got, exp):
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     print("interpreter ok")
     """
 )
