@@ -129,8 +129,8 @@ def sweep_epilogues(rows: int, v: int, reps: int) -> None:
     glp, gent = torch.randn(rows, device=dev), torch.randn(rows, device=dev)
     gbytes = rows * v * 2 / 1e9
     default = dict(K._FWD_LAUNCH)
-    for vec, cap, warps, per_sm in itertools.product((True, False), (2048, 4096, 8192), (4, 8), (4, 16)):
-        K._FWD_LAUNCH.update(cap=cap, warps=warps, grid_per_sm=per_sm, vec=vec)
+    for cap, warps, per_sm in itertools.product((2048, 4096, 8192), (4, 8), (4, 16)):
+        K._FWD_LAUNCH.update(cap=cap, warps=warps, grid_per_sm=per_sm)
 
         def fwd():
             state = (
@@ -140,7 +140,7 @@ def sweep_epilogues(rows: int, v: int, reps: int) -> None:
             K._triton_fwd_epilogue(z, labels, state, logp, ent, stats, 0, 1.0, -100, True, True)
 
         ms = timed(fwd, reps)
-        print(f"fwd vec={vec} cap={cap} warps={warps} per_sm={per_sm}: {ms:.3f} ms ({gbytes / ms:.2f} TB/s)")
+        print(f"fwd cap={cap} warps={warps} per_sm={per_sm}: {ms:.3f} ms ({gbytes / ms:.2f} TB/s)")
     K._FWD_LAUNCH.update(default)
     for cap in (1024, 2048, 4096, 8192):
         K._BWD_BLOCK_CAP = cap

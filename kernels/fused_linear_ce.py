@@ -80,7 +80,6 @@ if HAS_TRITON:
         HAS_ENTROPY: tl.constexpr,
         IS_LAST: tl.constexpr,
         SINGLE_TILE: tl.constexpr,
-        VEC_ACC: tl.constexpr,
         BLOCK_C: tl.constexpr,
         NUM_STAGES: tl.constexpr,
     ):
@@ -105,27 +104,6 @@ if HAS_TRITON:
             if SINGLE_TILE:
                 x = tl.load(z_row + offs, mask=offs < n_load, other=float("-inf")).to(tl.float32) * inv_t
                 m, s, a = _online_update(x, m, s, a)
-            elif VEC_ACC:
-                # Σe and Σe·(x - m) kept per lane, relative to the row's running max m, and summed once at the
-                # row's end: one reduction per tile (the max) instead of three. The carried (s, a) start in lane 0.
-                s_vec = tl.where(offs == 0, s, 0.0)
-                a_vec = tl.where(offs == 0, a, 0.0)
-                for c0 in range(0, n_cols, BLOCK_C):
-                    cols = c0 + offs
-                    x = tl.load(z_row + cols, mask=cols < n_load, other=float("-inf")).to(tl.float32) * inv_t
-                    m_new = tl.maximum(m, tl.max(x, axis=0))
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    if m_new > m:  # the max moved: rescale (uniform across the program)
-                        alpha = tl.exp(m - m_ref)
-                        shift = tl.where(m == float("-inf"), 0.0, m - m_ref)
-                        a_vec = alpha * (a_vec + shift * s_vec)
-                        s_vec = alpha * s_vec
-                    e = tl.exp(x - m_ref)
-                    s_vec += e
-                    a_vec += tl.where(e > 0.0, e * (x - m_ref), 0.0)
-                    m = m_new
-                s = tl.sum(s_vec, axis=0)
-                a = tl.sum(a_vec, axis=0)
             else:
                 for c0 in range(0, n_cols, BLOCK_C):
                     cols = c0 + offs
@@ -215,7 +193,12 @@ def _block_c(n_cols: int, cap: int) -> int:
 # (software-pipelined ``stages`` deep). Swept on H200 (benchmarks/probe_gemm.py, N=16384, V=151936, bf16): the
 # former setting (one tile of the whole chunk row, 8 warps, 4 programs per SM) read the logits at 1.6 TB/s; 4 warps
 # with 16 programs per SM over 2048-wide tiles read them at 2.0-2.4 TB/s (C = 4096-16384), half of the 4.8 TB/s.
-_FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1, "vec": True}
+_FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1}
+# The loss-aware mode's blocks hold whole-vocabulary rows ([1536, 151936] at Qwen2.5's vocabulary): 8192-wide
+# tiles, 8 warps, 4 programs per SM read such a block in 0.30 ms against 0.37 with the chunk setting (swept with
+# ``probe_loss_aware.py --epilogues``, H200, 2026-12-01; per-lane accumulators summed once per row, instead of three
+# reductions a tile, measured no faster: 0.34-0.36 ms at best, so not kept).
+_ROW_LAUNCH = {"cap": 8192, "warps": 8, "grid_per_sm": 4, "stages": 1}
 # The backward epilogue is elementwise per row (no reductions), so a modest tile streams at full bandwidth.
 _BWD_BLOCK_CAP = 2048
 
@@ -232,19 +215,21 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[key]
 
 
-def _triton_fwd_epilogue(z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last):
+def _triton_fwd_epilogue(
+    z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last, launch=None
+):
     m, s, a, zy = state
     n = z.shape[0]
     if n == 0:
         return
-    cfg = _FWD_LAUNCH
+    cfg = _FWD_LAUNCH if launch is None else launch
     block = _block_c(z.shape[1], cfg["cap"])
     grid = min(n, _num_sms(z.device) * cfg["grid_per_sm"])
     _fused_linear_ce_fwd_kernel[(grid,)](
         z, labels, m, s, a, zy, logp, ent if ent is not None else logp, stats,
         n, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
-        HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, VEC_ACC=cfg["vec"],
-        BLOCK_C=block, NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
+        HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, BLOCK_C=block,
+        NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
     )  # fmt: skip
 
 
@@ -260,7 +245,9 @@ def _triton_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignor
     )  # fmt: skip
 
 
-def _torch_fwd_epilogue(z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last):
+def _torch_fwd_epilogue(
+    z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last, launch=None
+):
     """The forward epilogue in PyTorch: same online update as ``_fused_linear_ce_fwd_kernel``."""
     m, s, a, zy = state
     active = labels != ignore_index
@@ -565,7 +552,7 @@ def fused_linear_logprob_loss_fwd(
         )
         ent_r = ent[rows] if ent is not None else None
         fwd_epilogue(z, labels[rows], state, logp[rows], ent_r, stats[rows], 0, scalar_t, ignore_index,
-                     with_entropy, True)  # fmt: skip
+                     with_entropy, True, _ROW_LAUNCH)  # fmt: skip
         glp, gent = grad_of(logp, ent, r0, r1)
         bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index)
         torch.mm(z, wg, out=dh[rows])

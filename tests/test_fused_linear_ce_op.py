@@ -323,21 +323,33 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     dh, dw = K.fused_linear_logprob_bwd(h.float(), w.float(), y, stats, ent, glp, gent, 1 / 0.7, -100, use_triton=True)
     for a, b in ((lp, lp_r), (ent, ent_r), (dh, hr.grad), (dw, wr.grad)):
         torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-5)
-    # The forward epilogue's multi-tile paths (chunks wider than one tile), forced with a tiny tile cap: per-lane
-    # accumulators (vec) or three reductions a tile; the state carried from chunk to chunk (100 + 50 columns);
-    # a row whose max is in its first tile (no rescale after it) and one whose max comes last.
-    K._FWD_LAUNCH["cap"] = 32
+    # The forward epilogue's multi-tile path (chunks wider than one tile), forced with a tiny tile cap: the state
+    # carried from chunk to chunk (100 + 50 columns); a row whose max is in its first tile and one whose max comes
+    # last; with the chunked op's launch setting and the loss-aware mode's whole-row one.
     h, w = torch.randn(n, 16), torch.randn(v, 16) / 4
     w[0] = h[0] * 2
     w[-1] = h[1] * 2
-    for vec in (True, False):
-        K._FWD_LAUNCH["vec"] = vec
+    chunk_launch = dict(K._FWD_LAUNCH)
+    for setting in (chunk_launch, K._ROW_LAUNCH):
+        K._FWD_LAUNCH = dict(setting, cap=32)
         for we in (True, False):
             got = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, we, chunk=100, use_triton=True)
             exp = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, we, chunk=100, use_triton=False)
             for a, b in zip(got, exp):
                 if a is not None:
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # The loss-aware forward (whole-row launch, multi-tile): blocks of 3 rows over two segments of 4 (one block
+    # spans them), the loss's gradient a fixed function of logp and entropy.
+    K._ROW_LAUNCH["cap"] = 32
+
+    def grad_of(lp, ent, r0, r1):
+        return (torch.sin(lp[r0:r1]) + 0.5).contiguous(), (0.1 * ent[r0:r1]).contiguous()
+
+    args = ([h[:4], h[4:]], w, y, 1 / 0.7, -100, True, grad_of)
+    got = K.fused_linear_logprob_loss_fwd(*args, block_rows=3, use_triton=True)
+    exp = K.fused_linear_logprob_loss_fwd(*args, block_rows=3, use_triton=False)
+    for a, b in zip(got, exp):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     print("interpreter ok")
     """
 )
