@@ -128,29 +128,26 @@ def sweep_epilogues(rows: int, v: int, reps: int) -> None:
     stats = torch.empty(rows, 2, device=dev)
     glp, gent = torch.randn(rows, device=dev), torch.randn(rows, device=dev)
     gbytes = rows * v * 2 / 1e9
-    default = dict(K._FWD_LAUNCH)
-    for cap, warps, per_sm in itertools.product((2048, 4096, 8192), (4, 8), (4, 16)):
-        K._FWD_LAUNCH.update(cap=cap, warps=warps, grid_per_sm=per_sm)
+    for cap, warps, per_sm, prefetch in itertools.product((8192, 16384), (8, 16), (2, 4, 8), (False, True)):
+        launch = dict(K._ROW_LAUNCH, cap=cap, warps=warps, grid_per_sm=per_sm, prefetch=prefetch)
 
-        def fwd():
+        def fwd(launch=launch):
             state = (
                 torch.full((rows,), float("-inf"), device=dev),
                 *(torch.zeros(rows, device=dev) for _ in range(3)),
             )
-            K._triton_fwd_epilogue(z, labels, state, logp, ent, stats, 0, 1.0, -100, True, True)
+            K._triton_fwd_epilogue(z, labels, state, logp, ent, stats, 0, 1.0, -100, True, True, launch)
 
         ms = timed(fwd, reps)
-        print(f"fwd cap={cap} warps={warps} per_sm={per_sm}: {ms:.3f} ms ({gbytes / ms:.2f} TB/s)")
-    K._FWD_LAUNCH.update(default)
-    for cap in (1024, 2048, 4096, 8192):
-        K._BWD_BLOCK_CAP = cap
-        zz = z.clone()
+        print(f"fwd cap={cap} warps={warps} per_sm={per_sm} prefetch={prefetch}: {ms:.3f} ms ({gbytes / ms:.2f} TB/s)")
+    for cap, per_prog in itertools.product((1024, 2048), (0, 8192, 16384, 32768)):
+        zz, launch = z.clone(), {"cap": cap, "cols_per_prog": per_prog}
 
-        def bwd(zz=zz):
-            K._triton_bwd_epilogue(zz, labels, stats, ent, glp, gent, 0, 1.0, -100)
+        def bwd(zz=zz, launch=launch):
+            K._triton_bwd_epilogue(zz, labels, stats, ent, glp, gent, 0, 1.0, -100, launch)
 
         ms = timed(bwd, reps)
-        print(f"bwd cap={cap}: {ms:.3f} ms ({2 * gbytes / ms:.2f} TB/s read+write)")
+        print(f"bwd cap={cap} cols_per_prog={per_prog}: {ms:.3f} ms ({2 * gbytes / ms:.2f} TB/s read+write)")
 
 
 def _profile(fn, label: str) -> None:

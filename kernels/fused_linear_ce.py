@@ -80,6 +80,7 @@ if HAS_TRITON:
         HAS_ENTROPY: tl.constexpr,
         IS_LAST: tl.constexpr,
         SINGLE_TILE: tl.constexpr,
+        PREFETCH: tl.constexpr,
         BLOCK_C: tl.constexpr,
         NUM_STAGES: tl.constexpr,
     ):
@@ -104,6 +105,15 @@ if HAS_TRITON:
             if SINGLE_TILE:
                 x = tl.load(z_row + offs, mask=offs < n_load, other=float("-inf")).to(tl.float32) * inv_t
                 m, s, a = _online_update(x, m, s, a)
+            elif PREFETCH:
+                # the next tile's load is issued before this tile is reduced (registers hold two tiles)
+                x = tl.load(z_row + offs, mask=offs < n_load, other=float("-inf"))
+                for c0 in range(BLOCK_C, n_cols, BLOCK_C):
+                    cols = c0 + offs
+                    x_next = tl.load(z_row + cols, mask=cols < n_load, other=float("-inf"))
+                    m, s, a = _online_update(x.to(tl.float32) * inv_t, m, s, a)
+                    x = x_next
+                m, s, a = _online_update(x.to(tl.float32) * inv_t, m, s, a)
             else:
                 for c0 in range(0, n_cols, BLOCK_C):
                     cols = c0 + offs
@@ -136,6 +146,7 @@ if HAS_TRITON:
         glp_ptr,
         gent_ptr,
         n_cols,
+        cols_per_prog,
         v_start,
         stride_zn,
         inv_t,
@@ -144,7 +155,11 @@ if HAS_TRITON:
         HAS_GENT: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
+        # One program per (row, column range of cols_per_prog): a block of few long rows is split across more
+        # programs than rows, so the grid fills the GPU evenly.
         row = tl.program_id(0).to(tl.int64)
+        c_lo = tl.program_id(1) * cols_per_prog
+        c_hi = tl.minimum(c_lo + cols_per_prog, n_cols)
         label = tl.load(labels_ptr + row).to(tl.int64)
         active = label != ignore_index
         m = tl.load(stats_ptr + 2 * row)
@@ -169,10 +184,10 @@ if HAS_TRITON:
         z_row = z_ptr + row * stride_zn
         offs = tl.arange(0, BLOCK_C)
         n_load = tl.where(row_on, n_cols, 0)
-        for c0 in range(0, n_cols, BLOCK_C):
+        for c0 in range(c_lo, c_hi, BLOCK_C):
             cols = c0 + offs
-            cmask = cols < n_cols
-            x = tl.load(z_row + cols, mask=cols < n_load, other=0.0).to(tl.float32) * inv_t
+            cmask = cols < c_hi
+            x = tl.load(z_row + cols, mask=cmask & (cols < n_load), other=0.0).to(tl.float32) * inv_t
             log_p = (x - m) - log_s
             p = tl.exp(log_p)
             dz = tl.where(cols == y_local, glp, 0.0) - glp * p
@@ -193,14 +208,18 @@ def _block_c(n_cols: int, cap: int) -> int:
 # (software-pipelined ``stages`` deep). Swept on H200 (benchmarks/probe_gemm.py, N=16384, V=151936, bf16): the
 # former setting (one tile of the whole chunk row, 8 warps, 4 programs per SM) read the logits at 1.6 TB/s; 4 warps
 # with 16 programs per SM over 2048-wide tiles read them at 2.0-2.4 TB/s (C = 4096-16384), half of the 4.8 TB/s.
-_FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1}
+_FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1, "prefetch": False}
 # The loss-aware mode's blocks hold whole-vocabulary rows ([1536, 151936] at Qwen2.5's vocabulary): 8192-wide
 # tiles, 8 warps, 4 programs per SM read such a block in 0.30 ms against 0.37 with the chunk setting (swept with
 # ``probe_loss_aware.py --epilogues``, H200, 2026-12-01; per-lane accumulators summed once per row, instead of three
 # reductions a tile, measured no faster: 0.34-0.36 ms at best, so not kept).
-_ROW_LAUNCH = {"cap": 8192, "warps": 8, "grid_per_sm": 4, "stages": 1}
-# The backward epilogue is elementwise per row (no reductions), so a modest tile streams at full bandwidth.
-_BWD_BLOCK_CAP = 2048
+_ROW_LAUNCH = {"cap": 8192, "warps": 8, "grid_per_sm": 4, "stages": 1, "prefetch": False}
+# and their backward epilogue splits each row into ranges of ``cols_per_prog`` columns (1536 rows alone are 1.5
+# waves of 8-warp programs on 132 SMs: the second wave half empty)
+_ROW_BWD_LAUNCH = {"cap": 1024, "cols_per_prog": 16384}
+# The backward epilogue is elementwise per row (no reductions), so a modest tile streams at full bandwidth; a
+# chunk's many short rows take one program each (cols_per_prog 0: the whole row).
+_BWD_LAUNCH = {"cap": 2048, "cols_per_prog": 0}
 
 
 _SMS: dict = {}
@@ -228,19 +247,22 @@ def _triton_fwd_epilogue(
     _fused_linear_ce_fwd_kernel[(grid,)](
         z, labels, m, s, a, zy, logp, ent if ent is not None else logp, stats,
         n, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
-        HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, BLOCK_C=block,
-        NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
+        HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, PREFETCH=cfg["prefetch"],
+        BLOCK_C=block, NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
     )  # fmt: skip
 
 
-def _triton_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index):
+def _triton_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index, launch=None):
     n = z.shape[0]
     if n == 0:
         return
-    block = _block_c(z.shape[1], _BWD_BLOCK_CAP)
-    _fused_linear_ce_bwd_kernel[(n,)](
+    cfg = _BWD_LAUNCH if launch is None else launch
+    block = _block_c(z.shape[1], cfg["cap"])
+    per_prog = z.shape[1] if cfg["cols_per_prog"] <= 0 else max(block, cfg["cols_per_prog"] // block * block)
+    grid = (n, triton.cdiv(max(z.shape[1], 1), per_prog))
+    _fused_linear_ce_bwd_kernel[grid](
         z, labels, stats, ent if ent is not None else stats, glp if glp is not None else stats,
-        gent if gent is not None else stats, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
+        gent if gent is not None else stats, z.shape[1], per_prog, v_start, z.stride(0), inv_t, ignore_index,
         HAS_GLP=glp is not None, HAS_GENT=gent is not None, BLOCK_C=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
 
@@ -276,7 +298,7 @@ def _torch_fwd_epilogue(
             ent.copy_(log_s - a / s)
 
 
-def _torch_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index):
+def _torch_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index, launch=None):
     """The backward epilogue in PyTorch: z (the chunk of logits) becomes dz in place."""
     active = labels != ignore_index
     x = z.float() * inv_t
@@ -554,7 +576,7 @@ def fused_linear_logprob_loss_fwd(
         fwd_epilogue(z, labels[rows], state, logp[rows], ent_r, stats[rows], 0, scalar_t, ignore_index,
                      with_entropy, True, _ROW_LAUNCH)  # fmt: skip
         glp, gent = grad_of(logp, ent, r0, r1)
-        bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index)
+        bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index, _ROW_BWD_LAUNCH)
         torch.mm(z, wg, out=dh[rows])
         if dw is None:
             dw = torch.mm(z.t(), h_r)
