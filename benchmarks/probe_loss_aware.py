@@ -128,8 +128,8 @@ def sweep_epilogues(rows: int, v: int, reps: int) -> None:
     stats = torch.empty(rows, 2, device=dev)
     glp, gent = torch.randn(rows, device=dev), torch.randn(rows, device=dev)
     gbytes = rows * v * 2 / 1e9
-    for cap, warps, per_sm, prefetch in itertools.product((8192, 16384), (8, 16), (2, 4, 8), (False, True)):
-        launch = dict(K._ROW_LAUNCH, cap=cap, warps=warps, grid_per_sm=per_sm, prefetch=prefetch)
+    for cap, warps, per_sm in itertools.product((8192, 16384), (8, 16), (2, 4, 8)):
+        launch = dict(K._ROW_LAUNCH, cap=cap, warps=warps, grid_per_sm=per_sm)
 
         def fwd(launch=launch):
             state = (
@@ -139,7 +139,7 @@ def sweep_epilogues(rows: int, v: int, reps: int) -> None:
             K._triton_fwd_epilogue(z, labels, state, logp, ent, stats, 0, 1.0, -100, True, True, launch)
 
         ms = timed(fwd, reps)
-        print(f"fwd cap={cap} warps={warps} per_sm={per_sm} prefetch={prefetch}: {ms:.3f} ms ({gbytes / ms:.2f} TB/s)")
+        print(f"fwd cap={cap} warps={warps} per_sm={per_sm}: {ms:.3f} ms ({gbytes / ms:.2f} TB/s)")
     for cap, per_prog in itertools.product((1024, 2048), (0, 8192, 16384, 32768)):
         zz, launch = z.clone(), {"cap": cap, "cols_per_prog": per_prog}
 

@@ -80,7 +80,6 @@ if HAS_TRITON:
         HAS_ENTROPY: tl.constexpr,
         IS_LAST: tl.constexpr,
         SINGLE_TILE: tl.constexpr,
-        PREFETCH: tl.constexpr,
         BLOCK_C: tl.constexpr,
         NUM_STAGES: tl.constexpr,
     ):
@@ -105,15 +104,6 @@ if HAS_TRITON:
             if SINGLE_TILE:
                 x = tl.load(z_row + offs, mask=offs < n_load, other=float("-inf")).to(tl.float32) * inv_t
                 m, s, a = _online_update(x, m, s, a)
-            elif PREFETCH:
-                # the next tile's load is issued before this tile is reduced (registers hold two tiles)
-                x = tl.load(z_row + offs, mask=offs < n_load, other=float("-inf"))
-                for c0 in range(BLOCK_C, n_cols, BLOCK_C):
-                    cols = c0 + offs
-                    x_next = tl.load(z_row + cols, mask=cols < n_load, other=float("-inf"))
-                    m, s, a = _online_update(x.to(tl.float32) * inv_t, m, s, a)
-                    x = x_next
-                m, s, a = _online_update(x.to(tl.float32) * inv_t, m, s, a)
             else:
                 for c0 in range(0, n_cols, BLOCK_C):
                     cols = c0 + offs
@@ -208,14 +198,15 @@ def _block_c(n_cols: int, cap: int) -> int:
 # (software-pipelined ``stages`` deep). Swept on H200 (benchmarks/probe_gemm.py, N=16384, V=151936, bf16): the
 # former setting (one tile of the whole chunk row, 8 warps, 4 programs per SM) read the logits at 1.6 TB/s; 4 warps
 # with 16 programs per SM over 2048-wide tiles read them at 2.0-2.4 TB/s (C = 4096-16384), half of the 4.8 TB/s.
-_FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1, "prefetch": False}
-# The loss-aware mode's blocks hold whole-vocabulary rows ([1536, 151936] at Qwen2.5's vocabulary): 8192-wide
-# tiles, 8 warps, 4 programs per SM read such a block in 0.30 ms against 0.37 with the chunk setting (swept with
-# ``probe_loss_aware.py --epilogues``, H200, 2026-12-01; per-lane accumulators summed once per row, instead of three
-# reductions a tile, measured no faster: 0.34-0.36 ms at best, so not kept).
-_ROW_LAUNCH = {"cap": 8192, "warps": 8, "grid_per_sm": 4, "stages": 1, "prefetch": False}
-# and their backward epilogue splits each row into ranges of ``cols_per_prog`` columns (1536 rows alone are 1.5
-# waves of 8-warp programs on 132 SMs: the second wave half empty)
+_FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1}
+# The loss-aware mode's blocks hold whole-vocabulary rows ([1536, 151936] at Qwen2.5's vocabulary), swept with
+# ``probe_loss_aware.py --epilogues`` (H200, bf16, 2026-12-01, median of 7): 16384-wide tiles, 16 warps, 8 programs
+# per SM read a block in 0.267 ms (8192 / 8 warps / 4 per SM: 0.295; the chunk setting: 0.37). Not kept, as no
+# faster: per-lane accumulators summed once per row instead of three reductions a tile (0.34-0.36 ms at best), and
+# issuing the next tile's load before reducing this one (0.31-0.43 ms).
+_ROW_LAUNCH = {"cap": 16384, "warps": 16, "grid_per_sm": 8, "stages": 1}
+# Their backward epilogue splits each row into 16384-column ranges: 0.263 ms a block against 0.300 with one
+# 8-warp program per row (1536 rows alone are 1.5 waves of those on 132 SMs, the second half empty).
 _ROW_BWD_LAUNCH = {"cap": 1024, "cols_per_prog": 16384}
 # The backward epilogue is elementwise per row (no reductions), so a modest tile streams at full bandwidth; a
 # chunk's many short rows take one program each (cols_per_prog 0: the whole row).
@@ -247,8 +238,8 @@ def _triton_fwd_epilogue(
     _fused_linear_ce_fwd_kernel[(grid,)](
         z, labels, m, s, a, zy, logp, ent if ent is not None else logp, stats,
         n, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
-        HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, PREFETCH=cfg["prefetch"],
-        BLOCK_C=block, NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
+        HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, BLOCK_C=block,
+        NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
     )  # fmt: skip
 
 

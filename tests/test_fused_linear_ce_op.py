@@ -325,12 +325,12 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-5)
     # The forward epilogue's multi-tile path (chunks wider than one tile), forced with a tiny tile cap: the state
     # carried from chunk to chunk (100 + 50 columns); a row whose max is in its first tile and one whose max comes
-    # last; with the chunked op's launch setting, the loss-aware mode's whole-row one, and the prefetching loop.
+    # last; with the chunked op's launch setting and the loss-aware mode's whole-row one.
     h, w = torch.randn(n, 16), torch.randn(v, 16) / 4
     w[0] = h[0] * 2
     w[-1] = h[1] * 2
     chunk_launch = dict(K._FWD_LAUNCH)
-    for setting in (chunk_launch, K._ROW_LAUNCH, dict(K._ROW_LAUNCH, prefetch=True)):
+    for setting in (chunk_launch, K._ROW_LAUNCH):
         K._FWD_LAUNCH = dict(setting, cap=32)
         for we in (True, False):
             got = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, we, chunk=100, use_triton=True)
