@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 import math
 import operator
@@ -1387,11 +1388,21 @@ _CONTEXT_FN = "_checkpoint_context_fn"
 def _saves_loss_aware_op() -> Any:
     """A selective-checkpoint context_fn: the loss-aware op's outputs (dh, dW: its 3 GEMMs) are saved, the rest of
     the body is recomputed as plain activation checkpointing does."""
-    import functools
-
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return functools.partial(create_selective_checkpoint_contexts, _save_loss_aware_policy)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _save_loss_aware_policy)
+    # AOTAutograd's cache keys a selective checkpoint by its context_fn's cache_hash (without one it bypasses the
+    # cache): the policy's source, so an edit of the policy is a new key
+    context_fn.cache_hash = _policy_hash()
+    return context_fn
+
+
+@functools.cache
+def _policy_hash() -> str:
+    import hashlib
+    import inspect
+
+    return "tilecompile-" + hashlib.sha256(inspect.getsource(_save_loss_aware_policy).encode()).hexdigest()[:16]
 
 
 def _save_loss_aware_policy(ctx, op, *args, **kwargs):

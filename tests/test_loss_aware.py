@@ -537,6 +537,20 @@ def test_bf16_on_gpu_against_float64(grad_backend):
         assert rel_err(a, ref) <= 2 * rel_err(b, ref) + 1e-3, (rel_err(a, ref), rel_err(b, ref))
 
 
+def test_checkpoint_policy_has_a_stable_cache_hash():
+    """AOTAutograd's cache bypasses a graph whose selective-checkpoint context_fn has no cache_hash."""
+    from tilecompile.passes import fused_linear_ce as P
+
+    a, b = P._saves_loss_aware_op(), P._saves_loss_aware_op()
+    assert a.cache_hash == b.cache_hash and a.cache_hash.startswith("tilecompile-")
+    cache = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache")
+    if not hasattr(cache, "_collect_context_fn_hashes"):
+        pytest.skip("this torch's AOTAutograd cache does not read context_fn hashes")
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    gm.meta["_checkpoint_context_fn"] = a
+    assert cache._collect_context_fn_hashes(gm) == [a.cache_hash]  # no BypassAOTAutogradCache
+
+
 def test_checkpointed_loss_saves_the_op_instead_of_running_it_again(monkeypatch):
     """torch.utils.checkpoint around lm_head + loss: the body's policy saves the loss-aware op's outputs, so its
     3 GEMMs run once (in the forward), not again in the backward's recomputation."""
