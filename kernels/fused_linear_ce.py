@@ -249,8 +249,8 @@ def _triton_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignor
         return
     cfg = _BWD_LAUNCH if launch is None else launch
     block = _block_c(z.shape[1], cfg["cap"])
-    per_prog = z.shape[1] if cfg["cols_per_prog"] <= 0 else max(block, cfg["cols_per_prog"] // block * block)
-    grid = (n, triton.cdiv(max(z.shape[1], 1), per_prog))
+    per_prog = max(z.shape[1], 1) if cfg["cols_per_prog"] <= 0 else max(block, cfg["cols_per_prog"] // block * block)
+    grid = (n, triton.cdiv(max(z.shape[1], 1), per_prog))  # at least one program per row
     _fused_linear_ce_bwd_kernel[grid](
         z, labels, stats, ent if ent is not None else stats, glp if glp is not None else stats,
         gent if gent is not None else stats, z.shape[1], per_prog, v_start, z.stride(0), inv_t, ignore_index,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -62,3 +64,11 @@ def run_step(fn: Callable, *args):
     out = fn(*args)
     out.backward()
     return out
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """The loss-aware op's compiled per-token gradient falling back to eager autograd (a warning) is an error."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tilecompile: compiling the loss-aware gradient")
+        yield

@@ -7,15 +7,13 @@ not of the supported shape falls back to the recompute mode with a reason, and i
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import warnings
 
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from helpers import assert_close, compile_options, rel_err
+from helpers import assert_close, compile_options, no_fallback, rel_err
 from tilecompile.kernels import fused_linear_ce as K
 
 import tilecompile
@@ -412,14 +410,6 @@ def _failing_backend(gm, example_inputs):
     raise RuntimeError("this backend always fails")
 
 
-@contextlib.contextmanager
-def no_fallback():
-    """The compiled gradient's fallback to eager autograd (a warning) is an error."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="tilecompile: compiling the loss-aware gradient")
-        yield
-
-
 def _op_case(rows: int, seed: int = 3):
     g = torch.Generator().manual_seed(seed)
     h, w = torch.randn(2, rows, D, generator=g), torch.randn(V, D, generator=g) * 0.3
@@ -466,6 +456,16 @@ def test_op_gradient_that_fails_to_compile_falls_back_to_eager_with_a_warning():
         assert_close(a, e, rtol=0, atol=0)
     with no_fallback():  # once is enough: the key stays on eager autograd
         _op_grads(case, key, "tc_test_failing")
+
+
+def test_op_gradient_with_an_unknown_backend_falls_back_to_eager_with_a_warning():
+    fn = fx.symbolic_trace(_ppo)
+    key = O.register_loss(fn, fn.code)
+    case = _op_case(37)
+    with pytest.warns(UserWarning, match="backend 'no_such_backend' failed"):
+        actual = _op_grads(case, key, "no_such_backend")
+    for a, e in zip(actual, _op_grads(case, key, "eager")):
+        assert_close(a, e, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("loss_fn", [ppo_token_mean, grpo_kl_seq_mean_token_mean, sft_cross_entropy, square_of_a_mean],

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close, assert_grads_close, compile_options
+from helpers import assert_close, assert_grads_close, compile_options, no_fallback
 
 import tilecompile
 
@@ -96,11 +96,31 @@ def _inputs():
     return torch.randn(b, t, d, generator=g), torch.randn(v, d, generator=g), torch.randint(0, v, (b, t), generator=g)
 
 
-def test_loss_aware_op_keeps_its_own_autograd_out_of_user_hooks():
+# the op's per-token gradient by eager autograd, or compiled (torch.func.grad under torch.compile): either way the
+# user's hooks see none of it and stay enabled (Dynamo tracing torch.func.grad under hooks once left them disabled
+# for the thread, and the user's next save_on_cpu raised)
+GRAD_COMPILE = pytest.mark.parametrize("grad_compile", ["off", "aot_eager"])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiled_gradients():
+    """Each test's first call compiles the op's gradient anew (where it runs: under the test's hooks)."""
+    from tilecompile.ops import fused_linear_ce as O
+
+    O._COMPILED.clear()
+    yield
+
+
+def _hooks_enabled() -> bool:
+    return torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
+@GRAD_COMPILE
+def test_loss_aware_op_keeps_its_own_autograd_out_of_user_hooks(grad_compile):
     """No unpack during the forward: the op's inner autograd does not go through the user's hooks."""
     h0, w0, ids = _inputs()
     body = _lm_head_loss(ids, torch.ones(ids.shape))
-    compiled = torch.compile(body, backend="tilecompile", options=compile_options())
+    compiled = torch.compile(body, backend="tilecompile", options=compile_options(ce_loss_grad_compile=grad_compile))
     compiled(h0.clone().requires_grad_(), w0.clone().requires_grad_())  # compile outside the hooks
     assert "loss-aware mode" in tilecompile.report().rewrites[0].detail
     seen = {"phase": "forward", "forward unpacks": 0}
@@ -109,14 +129,35 @@ def test_loss_aware_op_keeps_its_own_autograd_out_of_user_hooks():
         seen["forward unpacks"] += seen["phase"] == "forward"
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+    with no_fallback(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
         loss = compiled(h0.clone().requires_grad_(), w0.clone().requires_grad_())
     seen["phase"] = "backward"
     loss.backward()
-    assert seen["forward unpacks"] == 0
+    assert seen["forward unpacks"] == 0 and _hooks_enabled()
 
 
-def test_selective_checkpoint_around_a_compiled_loss():
+@GRAD_COMPILE
+def test_offloading_across_steps(grad_compile):
+    """Activation offloading around each step's forward, the first call (and the gradient's compile) inside it."""
+    h0, w0, ids = _inputs()
+    body = _lm_head_loss(ids, (torch.arange(ids.numel()).reshape(ids.shape) % 4 > 0).float())
+    compiled = torch.compile(body, backend="tilecompile", options=compile_options(ce_loss_grad_compile=grad_compile))
+    for step in range(3):
+        results = []
+        for fn in (body, compiled):
+            h, w = (h0 * (1 + step)).requires_grad_(), w0.clone().requires_grad_()
+            with no_fallback(), torch.autograd.graph.save_on_cpu():
+                loss = fn(h, w)
+            loss.backward()
+            results.append((loss, h.grad, w.grad))
+            assert _hooks_enabled(), f"step {step}: saved-tensors hooks left disabled"
+        for a, e, name in zip(*reversed(results), ("loss", "grad of h", "grad of W")):
+            assert_close(a, e, rtol=1e-5, atol=1e-6, name=f"step {step} {name}")
+    assert "loss-aware mode" in tilecompile.report().rewrites[0].detail
+
+
+@GRAD_COMPILE
+def test_selective_checkpoint_around_a_compiled_loss(grad_compile):
     """A user's selective activation checkpoint (its hooks and policy) around the compiled loss: the op's inner
     autograd once unpacked through the checkpoint's hooks mid-forward ("not found in storage")."""
     import functools
@@ -137,16 +178,23 @@ def test_selective_checkpoint_around_a_compiled_loss():
         return loss, h.grad, w.grad
 
     expected = run(body)
-    actual = run(torch.compile(body, backend="tilecompile", options=compile_options()))
-    assert "loss-aware mode" in tilecompile.report().rewrites[0].detail
+    with no_fallback():
+        actual = run(
+            torch.compile(body, backend="tilecompile", options=compile_options(ce_loss_grad_compile=grad_compile))
+        )
+    assert "loss-aware mode" in tilecompile.report().rewrites[0].detail and _hooks_enabled()
     for a, e, name in zip(actual, expected, ("loss", "grad of h", "grad of W")):
         assert_close(a, e, rtol=1e-5, atol=1e-6, name=name)
 
 
-def test_compile_with_saved_tensors_hooks_disabled():
+@GRAD_COMPILE
+def test_compile_with_saved_tensors_hooks_disabled(grad_compile):
     h0, w0, ids = _inputs()
     body = _lm_head_loss(ids, torch.ones(ids.shape))
     h = h0.clone().requires_grad_()
-    with torch.autograd.graph.disable_saved_tensors_hooks("this region saves nothing through hooks"):
-        loss = torch.compile(body, backend="tilecompile", options=compile_options())(h, w0)
+    options = compile_options(ce_loss_grad_compile=grad_compile)
+    with no_fallback(), torch.autograd.graph.disable_saved_tensors_hooks("this region saves nothing through hooks"):
+        loss = torch.compile(body, backend="tilecompile", options=options)(h, w0)
+        assert not _hooks_enabled()  # still disabled: the op put the state back as it found it
+    assert _hooks_enabled()
     assert_close(loss, body(h0, w0), rtol=1e-5, atol=1e-6, name="loss")

@@ -335,7 +335,8 @@ def _compiled_grads(fn: Any, key: int, with_entropy: bool, backend: str) -> Any:
     automatic dynamic (a second length recompiles once, symbolic). If compiling fails, the key falls back to eager
     autograd with a warning (None): a training step is never lost to it."""
     k = (key, with_entropy, backend)
-    if k not in _COMPILED:
+
+    def build():
         argnums = (0, 1) if with_entropy else 0
 
         def loss_grads(lp, ent, extras):
@@ -343,15 +344,18 @@ def _compiled_grads(fn: Any, key: int, with_entropy: bool, backend: str) -> Any:
 
         code = loss_grads.__code__.replace(co_name=f"loss_grads_{key:x}")
         own = types.FunctionType(code, loss_grads.__globals__, code.co_name, None, loss_grads.__closure__)
-        _COMPILED[k] = torch.compile(own, backend=backend, fullgraph=True)
+        return torch.compile(own, backend=backend, fullgraph=True)
 
     def run(lp, ent, extras):
-        fn_k = _COMPILED.get(k)
-        if fn_k is None:
+        if _COMPILED.get(k, True) is None:
             return None
         try:
-            with _outside_op(all_keys=True):
-                g = fn_k(lp, ent, extras)
+            # grad mode fixed (no recompile for the mode the op happens to run in); the user's saved-tensors hooks
+            # set aside (the compiled gradient saves nothing for autograd)
+            with _outside_op(all_keys=True), _without_saved_tensors_hooks(), torch.enable_grad():
+                if k not in _COMPILED:
+                    _COMPILED[k] = build()
+                g = _COMPILED[k](lp, ent, extras)
         except Exception as e:  # noqa: BLE001 - any failure of the compiled gradient: eager autograd does the step
             _COMPILED[k] = None
             warnings.warn(
@@ -363,6 +367,28 @@ def _compiled_grads(fn: Any, key: int, with_entropy: bool, backend: str) -> Any:
         return g if with_entropy else (g,)
 
     return run
+
+
+@contextlib.contextmanager
+def _without_saved_tensors_hooks():
+    """The user's saved-tensors hooks (activation offloading, a checkpoint's) set aside, and whether hooks are
+    enabled put back as it was, whatever happens inside: ``torch.func.grad`` refuses to run under hooks, and Dynamo,
+    tracing that refusal, leaves hooks disabled for the whole thread (the user's next ``save_on_cpu`` raised)."""
+    hooks = torch._C._autograd
+    popped = []
+    while (top := hooks._top_saved_tensors_default_hooks(True)) is not None:
+        popped.append(top)
+        hooks._pop_saved_tensors_default_hooks()
+    message = hooks._saved_tensors_hooks_get_disabled_error_message()
+    try:
+        yield
+    finally:
+        if message is None:
+            hooks._saved_tensors_hooks_enable()
+        else:
+            hooks._saved_tensors_hooks_disable(message)
+        for pack, unpack in reversed(popped):
+            hooks._push_saved_tensors_default_hooks(pack, unpack)
 
 
 _AUTOGRAD_KEYS = (
