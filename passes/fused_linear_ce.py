@@ -1311,7 +1311,7 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) ->
     but cannot have it; (None, "") when nothing needs grads (the op then runs its forward only). ``body``: the
     higher-order op body (activation checkpoint) the region is in, or None; ``at``: where the op will run."""
     lin = r.linear
-    if not getattr(G.example_value(lin.node), "requires_grad", False):  # no grad needed, or traced under no_grad
+    if not _needs_grad(lin.node):  # no grad needed, or traced under no_grad
         return None, ""
     why = None
     if not settings.ce_loss_aware:
