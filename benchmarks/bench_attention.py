@@ -11,7 +11,12 @@ documents (varlen flash), and the chunked fallback. CUDA-event median of repeats
 (28 layers, V=151936, tied, bf16, random init) with activation checkpointing, per method and length; ``--docs K``
 passes ``position_ids`` of K packed documents per row. Prints one JSON row per (method, length).
 
-usage: python benchmarks/bench_attention.py --check --ops --e2e --methods eager,inductor,tilecompile
+``--padded``: the padded mask families at the op (B x N, H=12, Hkv=2, D=128, bf16), fwd+bwd: masked_attention with
+its plan (made once, as the pass shares it across layers; its own time given apart), against flash attention
+on the same real tokens (the valid tokens packed, flash varlen over them: the floor) and SDPA with the dense mask
+(what the graph ran without the pass); each case also checked against float64 at every position.
+
+usage: python benchmarks/bench_attention.py --check --ops --e2e --padded --methods eager,inductor,tilecompile
        --lengths 16384 [--docs 16] [--layers 28] [--json out.json]
 """
 
@@ -59,12 +64,12 @@ def check(device) -> list[dict]:
         hi = kw["window"] - 1 if "window" in kw else None
         g = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16)
         ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        ref = K.reference(*ref_in, pos, doc, None, 0, hi, d**-0.5)
+        ref = K.reference(*ref_in, pos, doc, None, 0, hi, d**-0.5, [])
         ref_grads = torch.autograd.grad(ref, ref_in, g.double())
         plan = K.varlen_plan(q, k, pos, doc, None, 0, hi)
-        out, _ = torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, None, 0, hi, d**-0.5)
+        out, _ = torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, None, 0, hi, d**-0.5, [])
         grads = torch.autograd.grad(out, (q, k, v), g)
-        eager = K.reference(q, k, v, pos, doc, None, 0, hi, d**-0.5)
+        eager = K.reference(q, k, v, pos, doc, None, 0, hi, d**-0.5, [])
         eager_grads = torch.autograd.grad(eager, (q, k, v), g)
 
         def err(a, r):
@@ -109,7 +114,7 @@ def ops(device, n: int, docs: int) -> list[dict]:
     variants = {
         "sdpa is_causal (flash)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
         f"masked_attention {docs} docs (varlen)": lambda: torch.ops.tilecompile.masked_attention(
-            q, k, v, pos, doc, None, 0, None, d**-0.5
+            q, k, v, pos, doc, None, 0, None, d**-0.5, []
         )[0],
         f"masked_attention {docs} docs (chunked)": lambda: _chunked(q, k, v, pos, doc, d),
         "sdpa dense bool mask": lambda: F.scaled_dot_product_attention(
@@ -255,8 +260,92 @@ def e2e(device, methods, lengths, docs, layers, single=False) -> list[dict]:
     return rows
 
 
+def _pad_rows(rows: int, n: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """[rows, n] long padding mask of one family (TRL: a left-padded prompt then a right-padded completion)."""
+    m = torch.zeros(rows, n, dtype=torch.long)
+    half = n // 2
+    for r in range(rows):
+        if kind == "ones":
+            m[r] = 1
+        elif kind == "trl":
+            p = int(torch.randint(int(0.3 * half), half + 1, (1,), generator=gen))
+            c = int(torch.randint(int(0.3 * half), half + 1, (1,), generator=gen))
+            m[r, half - p : half + c] = 1
+        else:
+            length = int(torch.randint(n // 4, n + 1, (1,), generator=gen))
+            m[r, :length] = 1
+            if kind == "left":
+                m[r] = m[r].flip(0)
+    return m
+
+
+def padded(device, shapes: list[tuple[int, int]], repeats: int = 10) -> list[dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for b, n in shapes:
+        for kind in ("ones", "left", "right", "trl", "trl+docs"):
+            valid = _pad_rows(b, n, kind.removesuffix("+docs"), gen).to(device)
+            doc = (torch.arange(n, device=device) // (n // 4))[None].expand(b, n) if "docs" in kind else None
+            row = dict(padded=f"{b}x{n}", kind=kind, **_padded_case(device, valid, doc, repeats))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _padded_case(device, valid: torch.Tensor, doc: torch.Tensor | None, repeats: int) -> dict:
+    from tilecompile.kernels import attention as K
+
+    import tilecompile.ops.attention as OA
+
+    (b, n), h, hkv, d = valid.shape, 12, 2, 128
+    q = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, hkv, n, d, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    g = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16)
+    scale = d**-0.5
+    plan_ms = _time(lambda: OA.attention_plan(None, doc, valid, 0, None), repeats)
+    plan = OA.attention_plan(None, doc, valid, 0, None)
+    before = dict(OA.PATHS)
+
+    def ours():
+        out, _ = torch.ops.tilecompile.masked_attention(q, k, v, None, doc, valid, 0, None, scale, plan)
+        torch.autograd.grad(out, (q, k, v), g)
+
+    ours()
+    path = "flash" if OA.PATHS["flash"] > before["flash"] else "chunked"
+    # the floor: flash varlen over the real tokens alone, packed once outside the timing
+    pk = K.packed(plan, b, n)
+    t1 = pk["t1"] if pk else int(valid.sum())
+    order = pk["order"] if pk else None
+    qf, kf, vf, gf = (K._pack(t.detach(), order)[:t1].contiguous() for t in (q, k, v, g))
+    cu, mx = (pk["cu1"], pk["max1"]) if pk else (None, None)
+
+    def floor():
+        out, lse = K.flash_fwd(qf, kf, vf, cu, cu, mx, mx, True, -1, 0, scale)
+        K.flash_bwd(gf, qf, kf, vf, out, lse, cu, cu, mx, mx, True, -1, 0, scale)
+
+    mask = K.block_mask(torch.arange(n, device=device), n, None, doc, valid, 0, None)
+
+    def dense():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        torch.autograd.grad(out, (q, k, v), g)
+
+    row = dict(real=round(t1 / (b * n), 3), path=path, plan_ms=plan_ms, ours_ms=_time(ours, repeats),
+               floor_ms=_time(floor, repeats) if pk else None, dense_ms=_time(dense, repeats))  # fmt: skip
+    with torch.no_grad():
+        ref = K.reference(*(t.detach().double() for t in (q, k, v)), None, doc, valid, 0, None, scale)
+        out, _ = torch.ops.tilecompile.masked_attention(q, k, v, None, doc, valid, 0, None, scale, plan)
+        eager = K.reference(q, k, v, None, doc, valid, 0, None, scale)
+        row["err"] = (out.double() - ref).abs().max().item()
+        row["eager_err"] = (eager.double() - ref).abs().max().item()
+    if row["floor_ms"]:
+        row["x_floor"] = round(row["ours_ms"] / row["floor_ms"], 3)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--padded", default="", help="op-level padded cases, e.g. 8x4096,2x16384")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--ops", action="store_true")
     ap.add_argument("--ops-n", type=int, default=65536)
@@ -277,6 +366,9 @@ def main() -> None:
         out["rows"] += check(device)
     if a.ops:
         out["rows"] += ops(device, a.ops_n, max(a.docs, 16))
+    if a.padded:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in a.padded.split(",")]
+        out["rows"] += padded(device, shapes)
     if a.e2e:
         lengths = [int(x) for x in a.lengths.split(",")]
         out["rows"] += e2e(device, a.methods.split(","), lengths, a.docs, a.layers, a.single)

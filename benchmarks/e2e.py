@@ -26,6 +26,7 @@ the date; ``benchmarks/plot_e2e.py`` turns it into a PNG.
 
 usage: python benchmarks/e2e.py [--models 1.5b,8b] [--methods eager,inductor,liger,tilecompile]
            [--checkpointing on,off] [--lengths 4096,...,524288] [--dynamic] [--packed K] [--csv PATH]
+           [--padded 8x4096] [--mask ones] [--env TILECOMPILE_ATTENTION=0]
        python benchmarks/e2e.py --tiny --device cpu --methods eager,tilecompile --inner aot_eager   (smoke test)
 """
 
@@ -56,6 +57,7 @@ TINY = (64, 176, 2, 4, 2, 1000)  # hidden, intermediate, layers, heads, kv heads
 METHODS = ("eager", "inductor", "liger", "tilecompile")
 FIELDS = [
     "model", "family", "tiny", "dtype", "layers", "full_layers", "method", "checkpointing", "dynamic", "packed",
+    "rows", "mask", "env",
     "seq_len", "ok", "error", "tok_s", "step_s", "peak_gib", "first_step_s", "compile_s", "graphs", "compiles_total",
     "rewrites", "loss", "device", "torch", "triton", "transformers", "liger", "date", "commit",
 ]  # fmt: skip
@@ -115,24 +117,43 @@ def build(name: str, tiny: bool, layers: int, checkpointing: bool, liger: bool, 
     return model.train(), n
 
 
-def grpo_step(model, ids, adv, old_logp, position_ids=None):
-    logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits[:, :-1].float()
+def grpo_step(model, ids, adv, old_logp, position_ids=None, attention_mask=None, loss_mask=None):
+    out = model(input_ids=ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+    logits = out.logits[:, :-1].float()
     logp = F.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     entropy = torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
     ratio = torch.exp(logp - old_logp)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
-    return pg.mean() - 1e-3 * entropy.mean()
+    if loss_mask is None:
+        return pg.mean() - 1e-3 * entropy.mean()
+    return ((pg - 1e-3 * entropy) * loss_mask).sum() / loss_mask.sum().clamp(min=1)  # the completion tokens
 
 
-def inputs(n: int, vocab: int, packed: int, device: torch.device) -> tuple:
+def inputs(n: int, vocab: int, packed: int, device: torch.device, rows: int = 1, mask: str = "") -> tuple:
+    """(ids, adv, old_logp, position_ids, attention_mask, loss_mask). ``mask``: '' (none), 'ones' (a collator's
+    all-ones attention_mask), 'trl' (TRL's GRPO batch: each row a prompt left-padded to n/2, then a completion
+    right-padded to n/2; prompt and completion lengths uniform in [0.3, 1] of their half; the loss on the completion
+    tokens)."""
     g = torch.Generator().manual_seed(n)
-    ids = torch.randint(0, vocab, (1, n), generator=g)
-    adv, old_logp = torch.randn(1, n - 1, generator=g), -5 * torch.rand(1, n - 1, generator=g)
-    pos = None
+    ids = torch.randint(0, vocab, (rows, n), generator=g)
+    adv, old_logp = torch.randn(rows, n - 1, generator=g), -5 * torch.rand(rows, n - 1, generator=g)
+    pos = attention = loss_mask = None
     if packed:  # K equal documents; position_ids restart at 0 in each
         doc = torch.clamp(torch.arange(n) // (n // packed), max=packed - 1)
         pos = (torch.arange(n) - torch.searchsorted(doc, doc))[None]
-    return tuple(None if t is None else t.to(device) for t in (ids, adv, old_logp, pos))
+    if mask == "ones":
+        attention = torch.ones(rows, n, dtype=torch.long)
+    elif mask == "trl":
+        half = n // 2
+        attention = torch.zeros(rows, n, dtype=torch.long)
+        completion = torch.zeros(rows, n, dtype=torch.long)
+        for r in range(rows):
+            p = int(torch.randint(int(0.3 * half), half + 1, (1,), generator=g))
+            c = int(torch.randint(int(0.3 * half), half + 1, (1,), generator=g))
+            attention[r, half - p : half + c] = 1
+            completion[r, half : half + c] = 1
+        loss_mask = completion[:, 1:].float()
+    return tuple(None if t is None else t.to(device) for t in (ids, adv, old_logp, pos, attention, loss_mask))
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -154,7 +175,9 @@ def worker(cfg: dict) -> None:
     base = dict(model=cfg["model"], family=MODELS[cfg["model"]][0], tiny=int(cfg["tiny"]),
                 dtype=str(model.dtype).removeprefix("torch."), layers=model.config.num_hidden_layers,
                 full_layers=full, method=method, checkpointing=int(cfg["checkpointing"]), dynamic=int(dynamic),
-                packed=cfg["packed"], **versions(device))  # fmt: skip
+                packed=cfg["packed"], rows=cfg.get("rows", 1), mask=cfg.get("mask", ""),
+                env=cfg.get("env", "") if method == "tilecompile" else "",
+                **versions(device))  # fmt: skip
 
     def compiled():
         step = lambda *a: grpo_step(model, *a)  # noqa: E731
@@ -184,7 +207,7 @@ def worker(cfg: dict) -> None:
         tilecompile.reset()
         graphs_before = counters["stats"]["unique_graphs"]
         try:
-            batch = inputs(n, model.config.vocab_size, cfg["packed"], device)
+            batch = inputs(n, model.config.vocab_size, cfg["packed"], device, cfg.get("rows", 1), cfg.get("mask", ""))
             first, _ = run(step, batch)
             graphs = counters["stats"]["unique_graphs"] - graphs_before
             total += graphs
@@ -197,7 +220,8 @@ def worker(cfg: dict) -> None:
                 times.append(seconds)
             median = statistics.median(times)
             report = tilecompile.report()
-            row.update(ok=1, tok_s=round(n / median, 1), step_s=round(median, 4), first_step_s=round(first, 2),
+            slots = n * cfg.get("rows", 1)
+            row.update(ok=1, tok_s=round(slots / median, 1), step_s=round(median, 4), first_step_s=round(first, 2),
                        compile_s=round(first - median, 2), graphs=graphs, compiles_total=total, loss=loss,
                        rewrites=" ".join(f"{k}={v}" for k, v in report.counts.items() if v) if report.graphs else "",
                        peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else "")  # fmt: skip
@@ -220,6 +244,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="cut every model to this many layers (0: all)")
     ap.add_argument("--dynamic", action="store_true", help="compile once with dynamic=True (default: per length)")
     ap.add_argument("--packed", type=int, default=0, help="K documents per row via position_ids (0: one)")
+    ap.add_argument("--padded", default="", help="ROWSxLEN: TRL's padded GRPO batch (tokens/s counts every slot)")
+    ap.add_argument("--mask", default="", choices=("", "ones"), help="ones: pass an all-ones attention_mask")
+    ap.add_argument("--env", default="", help="KEY=VALUE[,KEY=VALUE] for the tilecompile workers (e.g. flags)")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per length after the first")
     ap.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager", "eager"),
                     help="tilecompile's inner compiler (aot_eager for a fast CPU smoke test)")  # fmt: skip
@@ -233,6 +260,10 @@ def main() -> None:
         return worker(json.loads(args.worker))
 
     lengths = [64, 128] if args.tiny and "--lengths" not in sys.argv else [int(x) for x in args.lengths.split(",")]
+    rows_per_batch, mask = 1, args.mask
+    if args.padded:
+        rows_per_batch, length = (int(x) for x in args.padded.split("x"))
+        lengths, mask = [length], "trl"
     methods = args.methods.split(",")
     if "liger" in methods:
         try:
@@ -252,7 +283,8 @@ def main() -> None:
             for ckpt in args.checkpointing.split(","):
                 cfg = dict(model=name, method=method, checkpointing=ckpt == "on", lengths=lengths, tiny=args.tiny,
                            layers=args.layers, dynamic=args.dynamic, packed=args.packed, repeats=args.repeats,
-                           inner=args.inner, warm_cache=args.warm_cache, device=args.device)  # fmt: skip
+                           inner=args.inner, warm_cache=args.warm_cache, device=args.device, rows=rows_per_batch,
+                           mask=mask, env=args.env)  # fmt: skip
                 rows += run_worker(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:
@@ -265,7 +297,9 @@ def main() -> None:
 
 def run_worker(cfg: dict) -> list[dict]:
     cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    extra = dict(kv.split("=", 1) for kv in cfg.get("env", "").split(",") if kv)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra if cfg["method"] == "tilecompile" else {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     rows = []
     for line in proc.stdout:
         if line.startswith(ROW):

@@ -17,10 +17,13 @@ p = e^(s - lse), dv += pᵀ·do, dp = do·vᵀ, ds = p ⊙ (dp - rowsum(do ⊙ o
 Two implementations of the same math:
 - ``chunked_fwd`` / ``chunked_bwd``: plain PyTorch over query blocks, fp32 accumulation (fp64 for fp64 inputs);
   memory O(block · N). The CPU path, and the CUDA path for masks no flash kernel takes.
-- ``varlen_plan`` + ``varlen_fwd`` / ``varlen_bwd`` (CUDA): packed documents, optionally with a window, through
-  PyTorch's flash-attention varlen kernels (``aten::_flash_attention_forward``), at flash speed. Taken only when
-  the data make it exact: batch 1 (or documents that never cross a row), each document contiguous, positions that
-  advance by one inside a document when they define the causal order, no padding mask.
+- ``plan_tensors`` + ``packed_fwd`` / ``packed_bwd`` (CUDA): the tokens gathered into one packed order, grouped by
+  (row, document) with the valid tokens first, through PyTorch's flash-attention varlen kernels
+  (``aten::_flash_attention_forward``) at flash speed: call 1 runs every group's valid queries causally (or in
+  their window) over the group's valid keys; call 2 runs the pad queries that are allowed every valid key of their
+  group (right padding) over those keys, non-causally; pad queries with no allowed key (left padding) get 0. Exact
+  whenever the plan says so (any padding on either side, documents in any row, in any order; windows and
+  position-defined order where coordinates advance by one inside a group); the plan's one host sync reads that.
 """
 
 from __future__ import annotations
@@ -150,43 +153,114 @@ def reference(q, k, v, pos, doc, valid, lo, hi, scale):
     return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=m, scale=scale)
 
 
-# ----------------------------------------------------------------------------------------- CUDA: varlen flash
+# ------------------------------------------------------------------------------- CUDA: flash varlen on packed tokens
+
+# How many host syncs the packed plan has made in this process (one per ``plan`` call): benchmarks read it.
+HOST_SYNCS = [0]
 
 
-def varlen_plan(q, k, pos, doc, valid, lo, hi):
-    """(cumulative document lengths [docs + 1] int32, longest document) when the flash varlen kernel computes this
-    mask exactly, else None. Two host syncs: the number of documents, then the data checks and the longest."""
-    b, _, n, _ = q.shape
-    if not q.is_cuda or valid is not None or k.shape[2] != n or q.dtype not in (torch.float16, torch.bfloat16):
+def flash_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether PyTorch's flash varlen kernel takes these inputs (device, dtype, head dims)."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+        and k.shape[2] == q.shape[2]
+    )
+
+
+def plan_tensors(pos, doc, valid, lo, hi, b: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The packing of the mask's tokens for flash varlen, worked out on the device with static shapes, then read
+    back once (the only host sync): ``(order, inv, region, cu1, cu2, info)``.
+
+    Tokens t = (row, index) are grouped by (row, doc); inside a group the valid tokens come first, in index order.
+    Packed order: every group's valid tokens (call 1's segments, one per group that has any: causal / windowed
+    flash exactly, when the group's coordinates advance as flash's indices do), then the pad queries that are
+    allowed *every* valid key of their group (a right-pad row: call 2, non-causal over the group's keys), then pad
+    queries allowed no key (left pad: output 0). A pad query allowed some keys of its group but not all (a pad
+    inside a window, a hole between valid tokens under causal order) makes the plan inexact (``info[0]``).
+
+    order [T] (packed position -> flat token), inv [T], region [T] int8 (0, 1, 2 as above), cu1 / cu2 [T + 2] int32
+    (the first S + 1 entries: call 1's query-and-key offsets; call 2's query offsets, its keys being call 1's),
+    info [7] int64 on the CPU: inexact, S, tokens of call 1, of call 2, longest of each, order is the identity.
+    """
+    t = b * n
+    ar = torch.arange(t, device=device)
+    row = ar // n
+    idx = ar - row * n
+    ok = valid.expand(b, n).reshape(t).bool() if valid is not None else torch.ones(t, dtype=torch.bool, device=device)
+    d = doc.expand(b, n).reshape(t) if doc is not None else torch.zeros(t, dtype=torch.long, device=device)
+    windowed = lo is not None or hi is not None
+    c = pos.expand(b, n).reshape(t).long() if pos is not None and windowed else idx
+    # lexicographic (row, doc, valid first, index) by stable sorts from the least significant key
+    o = torch.argsort((~ok).to(torch.int8), stable=True)
+    o = o[torch.argsort(d[o], stable=True)]
+    o = o[torch.argsort(row[o], stable=True)]
+    ro, do_, vo, co = row[o], d[o], ok[o], c[o]
+    start = torch.ones(t, dtype=torch.bool, device=device)
+    start[1:] = (ro[1:] != ro[:-1]) | (do_[1:] != do_[:-1])
+    gid = torch.cumsum(start.long(), 0) - 1
+    big = torch.iinfo(torch.long).max // 4
+    nvalid = torch.zeros(t, dtype=torch.long, device=device).scatter_add_(0, gid, vo.long())
+    cmin = torch.full((t,), big, device=device).scatter_reduce_(0, gid, torch.where(vo, co, big), "amin")
+    cmax = torch.full((t,), -big, device=device).scatter_reduce_(0, gid, torch.where(vo, co, -big), "amax")
+    # call 1 is exact when, inside a group, consecutive valid tokens advance as flash's indices do
+    inexact = torch.zeros((), dtype=torch.bool, device=device)
+    if t > 1 and (hi is not None or lo is not None):
+        same = ~start[1:] & vo[1:] & vo[:-1]
+        step = co[1:] - co[:-1]
+        inexact = (same & ((step != 1) if hi is not None else (step < 1))).any()
+    # pad queries: every key of their group allowed, or none
+    g_n, g_min, g_max = nvalid[gid], cmin[gid], cmax[gid]
+    every = g_n > 0
+    none = g_n == 0
+    if lo is not None:
+        every = every & (co - g_max >= lo)
+        none = none | (co - g_min < lo)
+    if hi is not None:
+        every = every & (co - g_min <= hi)
+        none = none | (co - g_max > hi)
+    inexact = inexact | (~vo & ~every & ~none).any()
+    region_o = torch.where(vo, 0, torch.where(every, 1, 2)).to(torch.int8)
+    perm = torch.argsort(region_o, stable=True)
+    order, region = o[perm], region_o[perm]
+    nall = torch.zeros(t, dtype=torch.long, device=device).scatter_add_(0, gid, (region_o == 1).long())
+    has = nvalid > 0
+    seg = torch.cumsum(has.long(), 0) - 1
+    slot = torch.where(has, seg + 1, t + 1)
+    cu1 = torch.zeros(t + 2, dtype=torch.long, device=device).scatter_add_(0, slot, nvalid).cumsum(0)
+    cu2 = torch.zeros(t + 2, dtype=torch.long, device=device).scatter_add_(0, slot, nall).cumsum(0)
+    t1 = ok.sum()
+    cu2 = cu2 + t1
+    inv = torch.empty_like(order).scatter_(0, order, ar)
+    info = torch.stack(
+        [inexact.long(), has.sum(), t1, nall.sum(), nvalid.max(), nall.max(), (order == ar).all().long()]
+    )
+    HOST_SYNCS[0] += 1
+    return order, inv, region, cu1.to(torch.int32), cu2.to(torch.int32), info.cpu()
+
+
+def packed(plan: list[torch.Tensor] | tuple[torch.Tensor, ...], b: int, n: int) -> dict | None:
+    """The plan as flash varlen's arguments (no host sync: ``info`` is on the CPU), or None where it is inexact or
+    was made for another token count."""
+    order, inv, region, cu1, cu2, info = plan
+    if order.numel() != b * n:
         return None
-    if q.shape[-1] % 8 or q.shape[-1] > 256 or lo not in (0, None) or (hi is not None and lo is None):
+    inexact, s, t1, t2, max1, max2, identity = info.tolist()
+    if inexact:
         return None
-    if hi is not None and hi < 0:
-        return None
-    # Document ids over the flattened [B * N] tokens: a new document starts where doc changes, and at each row.
-    d = doc.expand(b, n) if doc is not None else torch.zeros((b, n), dtype=torch.long, device=q.device)
-    starts = torch.ones((b, n), dtype=torch.bool, device=q.device)
-    starts[:, 1:] = d[:, 1:] != d[:, :-1]
-    flat = starts.reshape(-1)
-    # Exactness checks, read back with the document count: a document id that comes back after another one
-    # (not contiguous), and positions that do not advance by one inside a document.
-    seen_again = torch.zeros((), dtype=torch.bool, device=q.device)
-    if doc is not None:
-        first = torch.cummax(d, dim=1).values
-        seen_again = (d != first).any() if n > 1 else seen_again
-        # non-decreasing ids are contiguous; otherwise fall back (ids could repeat further on)
-    bad_pos = torch.zeros((), dtype=torch.bool, device=q.device)
-    if pos is not None and lo is not None:
-        p = pos.expand(b, n)
-        step_ok = (p[:, 1:] - p[:, :-1] == 1) | starts[:, 1:]
-        bad_pos = ~step_ok.all()
-    idx = flat.nonzero().squeeze(1).to(torch.int32)  # a host sync: the number of documents
-    cu = torch.cat([idx, torch.full((1,), b * n, dtype=torch.int32, device=q.device)])
-    longest = (cu[1:] - cu[:-1]).max()
-    seen_again, bad_pos, longest = torch.stack([seen_again.long(), bad_pos.long(), longest.long()]).tolist()
-    if seen_again or bad_pos:
-        return None
-    return cu, int(longest)
+    return {
+        "order": None if identity else order,
+        "inv": None if identity else inv,
+        "region": region,
+        "t1": t1,
+        "cu1": cu1[: s + 1],
+        "cu2": cu2[: s + 1] if t2 else None,
+        "max1": max(1, max1),
+        "max2": max(1, max2),
+    }
 
 
 def _windows(lo, hi):
@@ -195,48 +269,80 @@ def _windows(lo, hi):
     return left, right
 
 
-def varlen_fwd(q, k, v, plan, lo, hi, scale):
-    """(out [B, H, N, D], lse [B, H, N] fp32) through the flash varlen kernel over documents ``cu``."""
-    b, h, n, d = q.shape
-    cu, longest = plan
-    qf, kf, vf = (t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (q, k, v))
-    left, right = _windows(lo, hi)
+def _pack(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """[B, heads, N, D] -> [T, heads, D] in packed order."""
+    b, heads, n, d = t.shape
+    flat = t.transpose(1, 2).reshape(b * n, heads, d)
+    return flat.contiguous() if order is None else flat.index_select(0, order)
+
+
+def _unpack(t: torch.Tensor, inv: torch.Tensor | None, b: int, n: int) -> torch.Tensor:
+    """[T, heads, D] in packed order -> [B, heads, N, D] (contiguous)."""
+    flat = t if inv is None else t.index_select(0, inv)
+    return flat.reshape(b, n, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()
+
+
+def flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+    """Flash varlen forward over packed [T, heads, D]: (out [T, H, D], lse [H, T] fp32). Rows outside every query
+    segment are left as the kernel leaves them (the caller selects)."""
     res = torch.ops.aten._flash_attention_forward(
-        qf,
-        kf,
-        vf,
-        cu,
-        cu,
-        longest,
-        longest,
-        0.0,
-        lo == 0,
-        False,
-        scale=scale,
-        window_size_left=left,
-        window_size_right=right,
-    )
-    out, lse = res[0], res[1]
-    if tuple(lse.shape) != (h, b * n):
-        raise RuntimeError(f"flash varlen returned lse of shape {tuple(lse.shape)}, expected {(h, b * n)}")
-    return out.reshape(b, n, h, d).transpose(1, 2).contiguous(), lse.reshape(h, b, n).transpose(0, 1).contiguous()
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+        scale=scale, window_size_left=left, window_size_right=right,
+    )  # fmt: skip
+    return res[0], res[1]
 
 
-def varlen_bwd(grad_out, q, k, v, out, lse, plan, lo, hi, scale):
-    b, h, n, d = q.shape
-    qf, kf, vf, of, gf = (
-        t.transpose(1, 2).reshape(b * n, t.shape[1], d).contiguous() for t in (q, k, v, out, grad_out)
-    )
-    cu, longest = plan
-    lse_f = lse.transpose(0, 1).reshape(h, b * n).contiguous()
-    left, right = _windows(lo, hi)
+def flash_bwd(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: no dropout
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        gf, qf, kf, vf, of, lse_f, cu, cu, longest, longest, 0.0, lo == 0, unused, unused,
+    return torch.ops.aten._flash_attention_backward(
+        g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, unused, unused,
         scale=scale, window_size_left=left, window_size_right=right,
     )  # fmt: skip
 
-    def back(t, heads):
-        return t.reshape(b, n, heads, d).transpose(1, 2).contiguous()
 
-    return back(dq, h), back(dk, k.shape[1]), back(dv, v.shape[1])
+def packed_fwd(q, k, v, pk: dict, lo, hi, scale):
+    """(out [B, H, N, D], lse [B, H, N] fp32: +inf on a row with no allowed key, whose output is 0)."""
+    b, h, n, _ = q.shape
+    order, region = pk["order"], pk["region"]
+    qf, kf, vf = (_pack(t, order) for t in (q, k, v))
+    left, right = _windows(lo, hi)
+    out, lse = flash_fwd(qf, kf, vf, pk["cu1"], pk["cu1"], pk["max1"], pk["max1"], lo == 0, left, right, scale)
+    if tuple(lse.shape) != (h, b * n):
+        raise RuntimeError(f"flash varlen returned lse of shape {tuple(lse.shape)}, expected {(h, b * n)}")
+    r = region[:, None, None]
+    zero = out.new_zeros(())
+    inf = lse.new_full((), float("inf"))
+    if pk["cu2"] is not None:
+        out2, lse2 = flash_fwd(qf, kf, vf, pk["cu2"], pk["cu1"], pk["max2"], pk["max1"], False, -1, -1, scale)
+        out = torch.where(r == 0, out, torch.where(r == 1, out2, zero))
+        lse = torch.where(region == 0, lse, torch.where(region == 1, lse2, inf))
+    else:
+        out = torch.where(r == 0, out, zero)
+        lse = torch.where(region == 0, lse, inf)
+    inv = pk["inv"]
+    lse_flat = lse if inv is None else lse.index_select(1, inv)
+    return _unpack(out, inv, b, n), lse_flat.reshape(h, b, n).transpose(0, 1).contiguous()
+
+
+def packed_bwd(grad_out, q, k, v, out, lse, pk: dict, lo, hi, scale):
+    b, h, n, _ = q.shape
+    order, region = pk["order"], pk["region"]
+    qf, kf, vf, of, gf = (_pack(t, order) for t in (q, k, v, out, grad_out))
+    lse_f = lse.transpose(0, 1).reshape(h, b * n)
+    lse_f = lse_f.contiguous() if order is None else lse_f.index_select(1, order)
+    left, right = _windows(lo, hi)
+    args = (pk["cu1"], pk["cu1"], pk["max1"], pk["max1"], lo == 0, left, right)
+    dq, dk, dv = flash_bwd(gf, qf, kf, vf, of, lse_f, *args, scale=scale)
+    r = region[:, None, None]
+    zero = dq.new_zeros(())
+    key = (torch.arange(b * n, device=q.device) < pk["t1"])[:, None, None]  # call 1's keys: the valid tokens
+    dk, dv = torch.where(key, dk, zero), torch.where(key, dv, zero)
+    if pk["cu2"] is not None:
+        args2 = (pk["cu2"], pk["cu1"], pk["max2"], pk["max1"], False, -1, -1)
+        dq2, dk2, dv2 = flash_bwd(gf, qf, kf, vf, of, lse_f, *args2, scale=scale)
+        dq = torch.where(r == 0, dq, torch.where(r == 1, dq2, zero))
+        dk, dv = dk + torch.where(key, dk2, zero), dv + torch.where(key, dv2, zero)
+    else:
+        dq = torch.where(r == 0, dq, zero)
+    inv = pk["inv"]
+    return _unpack(dq, inv, b, n), _unpack(dk, inv, b, n), _unpack(dv, inv, b, n)

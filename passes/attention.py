@@ -178,7 +178,19 @@ def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: 
             scale = 1.0 / math.sqrt(G.hint(qs[-1]))
         elif isinstance(scale, fx.Node):  # a symbolic float under dynamic=True: specialised, under a guard
             scale = float(G.example_value(scale))
-        args = (q, k, v, tokens.get("pos"), tokens.get("doc"), tokens.get("valid"), spec.lo, spec.hi, float(scale))
+        plan = [tokens[f"plan{i}"] for i in range(PLAN_SIZE)] if "plan0" in tokens else []
+        args = (
+            q,
+            k,
+            v,
+            tokens.get("pos"),
+            tokens.get("doc"),
+            tokens.get("valid"),
+            spec.lo,
+            spec.hi,
+            float(scale),
+            plan,
+        )
         with graph.inserting_before(node):
             call = graph.call_function(torch.ops.tilecompile.masked_attention.default, args)
             result = graph.call_function(operator.getitem, (call, 0))
@@ -236,10 +248,42 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             node = getattr(spec, key)
             if node is not None:
                 tokens[key] = _token_input(gm, node, first_user)
+        if tokens and not (spec.is_causal or spec.is_full):
+            tokens |= _plan(gm, spec, tokens, first_user)
         rewrite_uses(gm, mask, spec, tokens, result.rewrites)
     if result.rewrites:
         G.eliminate_dead_code(gm.graph)
     return result
+
+
+PLAN_SIZE = 6  # the tensors of tilecompile::attention_plan
+
+
+def _plan(gm: fx.GraphModule, spec: AM.MaskSpec, tokens: dict[str, fx.Node], before: fx.Node) -> dict[str, fx.Node]:
+    """One ``attention_plan`` call beside the mask: every layer's op reads the packing (and the one host sync's
+    result) from it instead of working it out again."""
+    args = (tokens.get("pos"), tokens.get("doc"), tokens.get("valid"), spec.lo, spec.hi)
+    values = [G.example_value(tokens[key]) for key in ("pos", "doc", "valid") if key in tokens]
+    t = max(v.shape[0] for v in values) * values[0].shape[-1]
+    like = values[0]
+    fakes = [
+        like.new_empty(t, dtype=torch.long),
+        like.new_empty(t, dtype=torch.long),
+        like.new_empty(t, dtype=torch.int8),
+        like.new_empty(t + 2, dtype=torch.int32),
+        like.new_empty(t + 2, dtype=torch.int32),
+        like.new_empty(7, dtype=torch.long, device="cpu"),
+    ]
+    with gm.graph.inserting_before(before):
+        call = gm.graph.call_function(torch.ops.tilecompile.attention_plan.default, args)
+        items = {}
+        for i, fake in enumerate(fakes):
+            item = gm.graph.call_function(operator.getitem, (call, i))
+            item.meta["example_value"] = fake
+            items[f"plan{i}"] = item
+    expect(call, fakes)
+    call.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+    return items
 
 
 def _order(gm: fx.GraphModule):

@@ -1,6 +1,6 @@
 """Custom ops for attention under a mask given by per-token tensors (kernels in tilecompile.kernels.attention).
 
-``torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, valid, lo, hi, scale) -> (out, lse)``:
+``torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, valid, lo, hi, scale, plan) -> (out, lse)``:
 q [B, H, N, D], k / v [B, Hkv, N, D] (H % Hkv == 0: GQA), pos / doc / valid optional per-token tensors
 [B or 1, N]; the mask is ``lo <= c_i - c_j <= hi`` (c = pos, or the token index without pos), ``doc_i == doc_j``
 and ``valid_j`` (see kernels/attention.py). ``out`` has q's shape and dtype; ``lse`` is [B, H, N] in fp32 (fp64
@@ -8,8 +8,14 @@ for fp64 inputs), +inf on a row with no allowed key, whose output is 0. Differen
 ``tilecompile::masked_attention_backward``, a custom op too, so AOTAutograd and Inductor keep both opaque and
 no [N, N] tensor ever exists.
 
-CUDA takes PyTorch's flash varlen kernel when the data allow it exactly (packed documents; see
-``varlen_plan``), and the chunked path otherwise; CPU always takes the chunked path.
+``torch.ops.tilecompile.attention_plan(pos, doc, valid, lo, hi) -> plan``: how the mask's tokens pack for flash
+varlen (``kernels/attention.py: plan_tensors``), worked out once on the device with one host sync. The attention
+pass puts one call beside the mask, which every layer shares, and hands its tensors to every layer's
+``masked_attention(..., plan)``: no layer syncs with the host, in its forward, its recompute or its backward.
+
+CUDA takes PyTorch's flash varlen kernel on the packed tokens when the plan is exact (padding of any side, packed
+documents in any row, windows; see ``plan_tensors``); otherwise, and for dtypes or head dims flash does not take,
+the chunked path. CPU always takes the chunked path. ``PATHS`` counts the calls of each path.
 """
 
 from __future__ import annotations
@@ -19,6 +25,68 @@ import torch
 from tilecompile.kernels import attention as K
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Calls of each path since the process started (forward and backward): ``flash`` or ``chunked``.
+PATHS: dict[str, int] = {"flash": 0, "chunked": 0}
+
+
+def _token_batch(pos, doc, valid) -> tuple[int, int, torch.device]:
+    tokens = [t for t in (pos, doc, valid) if t is not None]
+    if not tokens:
+        raise ValueError("attention_plan needs at least one of pos, doc, valid")
+    n = tokens[0].shape[-1]
+    for t in tokens:
+        if t.dim() != 2 or t.shape[-1] != n or t.device != tokens[0].device:
+            raise ValueError(
+                f"pos, doc, valid must be [B or 1, N] on one device; got {[tuple(x.shape) for x in tokens]}"
+            )
+    return max(t.shape[0] for t in tokens), n, tokens[0].device
+
+
+@torch.library.custom_op("tilecompile::attention_plan", mutates_args=())
+def attention_plan(
+    pos: torch.Tensor | None, doc: torch.Tensor | None, valid: torch.Tensor | None, lo: int | None, hi: int | None
+) -> list[torch.Tensor]:
+    b, n, device = _token_batch(pos, doc, valid)
+    return list(K.plan_tensors(pos, doc, valid, lo, hi, b, n, device))
+
+
+@attention_plan.register_fake
+def _(pos, doc, valid, lo, hi):
+    b, n, device = _token_batch(pos, doc, valid)
+    t = b * n
+    like = next(x for x in (pos, doc, valid) if x is not None)
+    return [
+        like.new_empty(t, dtype=torch.long),
+        like.new_empty(t, dtype=torch.long),
+        like.new_empty(t, dtype=torch.int8),
+        like.new_empty(t + 2, dtype=torch.int32),
+        like.new_empty(t + 2, dtype=torch.int32),
+        torch.empty(7, dtype=torch.long, device="cpu"),
+    ]
+
+
+def _packed(q, k, v, pos, doc, valid, lo, hi, plan):
+    """flash varlen's arguments when it computes this mask exactly on these inputs, else None. Without a plan made
+    for these tokens (the op called directly, or a plan over batch-1 tokens shared by B > 1 rows), the plan is made
+    here, at one host sync."""
+    if not K.flash_supported(q, k, v) or (lo not in (0, None)) or (hi is not None and hi < 0):
+        return None
+    b, _, n, _ = q.shape
+    if plan and plan[0].numel() == b * n:
+        return K.packed(plan, b, n)
+    if pos is None and doc is None and valid is None:  # a window over the index alone: one segment a row
+        return K.packed(_static_plan(b, n, q.device), b, n)
+    return K.packed(K.plan_tensors(pos, doc, valid, lo, hi, b, n, q.device), b, n)
+
+
+def _static_plan(b: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    t = b * n
+    ar = torch.arange(t, device=device)
+    cu = torch.nn.functional.pad(torch.arange(0, t + 1, n, device=device, dtype=torch.int32), (0, t + 1 - b))
+    region = torch.zeros(t, dtype=torch.int8, device=device)
+    info = torch.tensor([0, b, t, 0, n, 0, 1])
+    return ar, ar, region, cu, cu, info
 
 
 def _check_static(q, k, v, pos, doc, valid) -> None:
@@ -53,16 +121,19 @@ def masked_attention(
     lo: int | None,
     hi: int | None,
     scale: float,
+    plan: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_static(q, k, v, pos, doc, valid)
-    plan = K.varlen_plan(q, k, pos, doc, valid, lo, hi)
-    if plan is not None:
-        return K.varlen_fwd(q, k, v, plan, lo, hi, float(scale))
+    pk = _packed(q, k, v, pos, doc, valid, lo, hi, plan)
+    if pk is not None:
+        PATHS["flash"] += 1
+        return K.packed_fwd(q, k, v, pk, lo, hi, float(scale))
+    PATHS["chunked"] += 1
     return K.chunked_fwd(q, k, v, pos, doc, valid, lo, hi, float(scale))
 
 
 @masked_attention.register_fake
-def _(q, k, v, pos, doc, valid, lo, hi, scale):
+def _(q, k, v, pos, doc, valid, lo, hi, scale, plan):
     _check_static(q, k, v, pos, doc, valid)
     b, h, n, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -83,35 +154,39 @@ def masked_attention_backward(
     lo: int | None,
     hi: int | None,
     scale: float,
+    plan: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = K.varlen_plan(q, k, pos, doc, valid, lo, hi)
-    if plan is not None:
-        return K.varlen_bwd(grad_out, q, k, v, out, lse, plan, lo, hi, float(scale))
+    pk = _packed(q, k, v, pos, doc, valid, lo, hi, plan)
+    if pk is not None:
+        PATHS["flash"] += 1
+        return K.packed_bwd(grad_out, q, k, v, out, lse, pk, lo, hi, float(scale))
+    PATHS["chunked"] += 1
     return K.chunked_bwd(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, float(scale))
 
 
 @masked_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, scale):
+def _(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, scale, plan):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernels return
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, pos, doc, valid, lo, hi, scale = inputs
+    q, k, v, pos, doc, valid, lo, hi, scale, plan = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, pos, doc, valid)
+    ctx.save_for_backward(q, k, v, out, lse, pos, doc, valid, *plan)
     ctx.lo, ctx.hi, ctx.scale = lo, hi, scale
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, pos, doc, valid = ctx.saved_tensors
+    q, k, v, out, lse, pos, doc, valid, *plan = ctx.saved_tensors
+    no_plan = [None] * len(plan)
     if grad_out is None or not any(ctx.needs_input_grad[:3]):
-        return (None,) * 9
+        return (None,) * 9 + (no_plan,)
     dq, dk, dv = torch.ops.tilecompile.masked_attention_backward(
-        grad_out.contiguous(), q, k, v, out, lse, pos, doc, valid, ctx.lo, ctx.hi, ctx.scale
+        grad_out.contiguous(), q, k, v, out, lse, pos, doc, valid, ctx.lo, ctx.hi, ctx.scale, plan
     )
     needs = ctx.needs_input_grad
-    return (dq if needs[0] else None), (dk if needs[1] else None), (dv if needs[2] else None), *(None,) * 6
+    return (dq if needs[0] else None), (dk if needs[1] else None), (dv if needs[2] else None), *(None,) * 6, no_plan
 
 
 masked_attention.register_autograd(_backward, setup_context=_setup_context)

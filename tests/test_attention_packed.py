@@ -1,0 +1,245 @@
+"""The CUDA flash path of ``tilecompile::masked_attention`` (tokens packed by ``attention_plan``), checked on CPU.
+
+The packing, the two flash varlen calls, and putting the rows back are plain PyTorch; only the flash kernels
+are CUDA. Here they are replaced by ``emulated_flash_fwd`` / ``_bwd``: the same varlen semantics (segments from
+``cu_seqlens``, causal and windows aligned to a segment's bottom right, 0 and lse = +inf for a row with no key, rows
+outside every segment left as garbage: NaN), computed densely in float64. So every mask family's packing is held to
+the float64 reference at every position, values and gradients, pad rows included. The GPU tests run the real
+kernels (tests/test_pass_attention.py, ``-m gpu``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tilecompile.kernels import attention as K
+
+import tilecompile.ops.attention as OA
+
+
+def _allowed(lq, lk, causal, left, right):
+    a = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk)[None, :]
+    ok = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        ok &= j <= a
+    if left >= 0:
+        ok &= j >= a - left
+    if right >= 0 and not causal:
+        ok &= j <= a + right
+    return ok
+
+
+def _emulate(q, k, v, cu_q, cu_k, causal, left, right, scale):
+    """(out [T, H, D] float64, lse [H, T] float64) with NaN outside every query segment."""
+    t, h, d = q.shape
+    rep = h // k.shape[1]
+    out = torch.full((t, h, v.shape[-1]), float("nan"), dtype=torch.float64)
+    lse = torch.full((h, t), float("nan"), dtype=torch.float64)
+    out, lse = out.clone(), lse.clone()
+    outs, lses = [], []
+    for s in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        if q1 == q0:
+            continue
+        qs = q[q0:q1].double().transpose(0, 1)  # [H, lq, D]
+        ks = k[k0:k1].double().repeat_interleave(rep, 1).transpose(0, 1)
+        vs = v[k0:k1].double().repeat_interleave(rep, 1).transpose(0, 1)
+        sc = (qs @ ks.transpose(-1, -2)) * scale
+        sc = sc.masked_fill(~_allowed(q1 - q0, k1 - k0, causal, left, right), float("-inf"))
+        row_lse = torch.logsumexp(sc, -1) if k1 > k0 else torch.full((h, q1 - q0), float("-inf"), dtype=torch.float64)
+        p = torch.exp(sc - torch.where(torch.isfinite(row_lse), row_lse, 0)[..., None])
+        o = p @ vs if k1 > k0 else qs.new_zeros(h, q1 - q0, v.shape[-1])
+        outs.append((q0, q1, o.transpose(0, 1)))
+        lses.append((q0, q1, torch.where(torch.isfinite(row_lse), row_lse, float("inf"))))
+    for q0, q1, o in outs:
+        out = torch.cat([out[:q0], o, out[q1:]])
+    for q0, q1, lv in lses:
+        lse = torch.cat([lse[:, :q0], lv, lse[:, q1:]], 1)
+    return out, lse
+
+
+def emulated_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+    assert max_q >= int((cu_q[1:] - cu_q[:-1]).max()) and max_k >= int((cu_k[1:] - cu_k[:-1]).max())
+    out, lse = _emulate(q, k, v, cu_q, cu_k, causal, left, right, scale)
+    return out.to(q.dtype), lse.float()
+
+
+def emulated_flash_bwd(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+    """The gradients of each segment's attention (float64, from its own recomputed probabilities); NaN for query
+    rows outside every query segment and key rows outside every key segment (what the kernel leaves unwritten)."""
+    t, h, _ = q.shape
+    hkv = k.shape[1]
+    rep = h // hkv
+    nan = float("nan")
+    dq = torch.full(q.shape, nan, dtype=torch.float64)
+    dk, dv = torch.full(k.shape, nan, dtype=torch.float64), torch.full(v.shape, nan, dtype=torch.float64)
+    for s in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        qs, gs = q[q0:q1].double().transpose(0, 1), g[q0:q1].double().transpose(0, 1)  # [H, lq, D]
+        ks = k[k0:k1].double().repeat_interleave(rep, 1).transpose(0, 1)
+        vs = v[k0:k1].double().repeat_interleave(rep, 1).transpose(0, 1)
+        sc = (qs @ ks.transpose(-1, -2)) * scale
+        allowed = _allowed(q1 - q0, k1 - k0, causal, left, right)
+        sc = sc.masked_fill(~allowed, float("-inf"))
+        m = sc.amax(-1, keepdim=True)
+        p = torch.exp(sc - torch.where(torch.isfinite(m), m, 0))
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
+        o = p @ vs
+        dvs = p.transpose(-1, -2) @ gs
+        ds = p * (gs @ vs.transpose(-1, -2) - (gs * o).sum(-1, keepdim=True))
+        dq[q0:q1] = ((ds @ ks) * scale).transpose(0, 1)
+        dks = (ds.transpose(-1, -2) @ qs) * scale  # [H, lk, D]
+        dk[k0:k1] = dks.reshape(hkv, rep, k1 - k0, -1).sum(1).transpose(0, 1)
+        dv[k0:k1] = dvs.reshape(hkv, rep, k1 - k0, -1).sum(1).transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@pytest.fixture
+def emulated_flash(monkeypatch):
+    """Route the op's CUDA flash path through the CPU emulation, for fp32 / fp64 CPU tensors."""
+    monkeypatch.setattr(K, "flash_fwd", emulated_flash_fwd)
+    monkeypatch.setattr(K, "flash_bwd", emulated_flash_bwd)
+    monkeypatch.setattr(K, "flash_supported", lambda q, k, v: True)
+
+
+def _rows(lengths, n, side):
+    """[B, N] long padding mask: ``lengths[b]`` real tokens; side 'left', 'right' or a (left pad) list for both."""
+    m = torch.zeros(len(lengths), n, dtype=torch.long)
+    for b, length in enumerate(lengths):
+        first = side[b] if isinstance(side, list) else {"left": n - length, "right": 0}[side]
+        m[b, first : first + length] = 1
+    return m
+
+
+N = 29
+
+# (name, pos, doc, valid, lo, hi, exact): exact = the plan is expected to take the flash path
+CASES = [
+    ("all-ones", None, None, torch.ones(3, N, dtype=torch.long), 0, None, True),
+    ("left", None, None, _rows([29, 20, 5], N, "left"), 0, None, True),
+    ("right", None, None, _rows([29, 20, 1], N, "right"), 0, None, True),
+    ("both (TRL)", None, None, _rows([10, 20, 3], N, [4, 0, 13]), 0, None, True),
+    ("all but one padded", None, None, _rows([29, 0, 0], N, "right"), 0, None, True),
+    # a pad between valid tokens sees part of its row's keys: no flash call computes that row
+    ("ragged holes", None, None, (torch.arange(N)[None] % torch.tensor([[2], [3], [5]]) != 0).long(), 0, None, False),
+    ("pad as bool", None, None, _rows([7, 29, 12], N, [3, 0, 17]).bool(), 0, None, True),
+    ("window + left", None, None, _rows([29, 20, 5], N, "left"), 0, 4, True),
+    ("window + right", None, None, _rows([29, 20, 5], N, "right"), 0, 4, False),  # right pads see a part of the window
+    ("window + holes", None, None, (torch.arange(N)[None] % 3 != 0).long().expand(2, N), 0, 4, False),
+    ("docs B>1", None, (torch.arange(N)[None] // torch.tensor([[7], [11]])), None, 0, None, True),
+    ("docs + padding", None, (torch.arange(N) // 9)[None].expand(2, N), _rows([25, 12], N, "right"), 0, None, True),
+    ("docs + positions + window", (torch.arange(N) % 10)[None], (torch.arange(N) // 10)[None], None, 0, 3, True),
+    (
+        "docs bidirectional + padding",
+        None,
+        (torch.arange(N) // 8)[None].expand(2, N),
+        _rows([29, 17], N, "left"),
+        None,
+        None,
+        True,
+    ),  # fmt: skip
+    ("docs out of order", None, torch.tensor([[0] * 5 + [1] * 6 + [0] * 8 + [2] * 10]), None, 0, None, True),
+    ("window, no tokens", None, None, None, 0, 6, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_packed_path_matches_float64_at_every_position(case, dtype, emulated_flash):
+    name, pos, doc, valid, lo, hi, exact = case
+    torch.manual_seed(0)
+    b = max([t.shape[0] for t in (pos, doc, valid) if t is not None] or [2])
+    h, hkv, d = 4, 2, 8
+    q, k, v = (torch.randn(b, heads, N, d, dtype=dtype, requires_grad=True) for heads in (h, hkv, hkv))
+    plan = OA.attention_plan(pos, doc, valid, lo, hi) if (pos, doc, valid) != (None, None, None) else []
+    before = dict(OA.PATHS)
+    out, lse = torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, valid, lo, hi, 0.3, plan)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    path = "flash" if exact else "chunked"
+    assert OA.PATHS[path] - before[path] == 2, (name, OA.PATHS, before)  # forward and backward
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = K.reference(*ref_in, pos, doc, valid, lo, hi, 0.3)
+    ref_grads = torch.autograd.grad(ref, ref_in, g.double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-11
+    for label, a, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert torch.isfinite(a).all(), (name, label)
+        err = (a.double() - r).abs().max().item()
+        assert err <= tol * max(1.0, r.abs().max().item()), (name, label, err)
+    # lse: +inf exactly on the rows with no allowed key (their output is 0)
+    mask = K.block_mask(torch.arange(N), N, pos, doc, valid, lo, hi)
+    empty = ~mask.expand(b, 1, N, N).any(-1).expand(b, h, N) if mask is not None else torch.zeros(b, h, N, dtype=bool)
+    assert torch.equal(torch.isinf(lse), empty), name
+    assert (out[empty[..., None].expand_as(out)] == 0).all(), name
+
+
+def test_plan_reads_back_once_and_layers_share_it(emulated_flash):
+    """One plan, one host sync, however many layers use it: each layer's forward and backward read its CPU info."""
+    valid = _rows([29, 20, 5], N, [0, 9, 2])
+    syncs = K.HOST_SYNCS[0]
+    plan = OA.attention_plan(None, None, valid, 0, None)
+    assert K.HOST_SYNCS[0] == syncs + 1
+    assert plan[5].device.type == "cpu"
+    x = torch.randn(3, 2, N, 8, requires_grad=True)
+    y = x
+    for _ in range(3):
+        y, _ = torch.ops.tilecompile.masked_attention(y, y, y, None, None, valid, 0, None, 0.3, plan)
+    y.sum().backward()
+    assert K.HOST_SYNCS[0] == syncs + 1
+
+
+def test_plan_fake_and_opcheck():
+    valid = _rows([9, 4], 13, "left")
+    torch.library.opcheck(torch.ops.tilecompile.attention_plan.default, (None, None, valid, 0, None))
+    q = torch.randn(2, 4, 13, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 13, 8, requires_grad=True) for _ in range(2))
+    plan = OA.attention_plan(None, None, valid, 0, None)
+    torch.library.opcheck(
+        torch.ops.tilecompile.masked_attention.default, (q, k, v, None, None, valid, 0, None, 0.3, plan)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_cuda_flash_path_matches_float64(case):
+    """The real flash varlen kernels, bf16 at 1024 tokens a row: every position's values and gradients within
+    eager SDPA's own error (dense mask, bf16) of the float64 reference, rows with no key exactly 0."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    name, pos, doc, valid, lo, hi, exact = case
+    n, rep = 1024, 1024 // N + 1
+    dev = "cuda"
+
+    def stretch(t):  # the 29-token pattern, each token repeated to fill 1024 (windows scaled alike)
+        return None if t is None else t.repeat_interleave(rep, -1)[:, :n].to(dev)
+
+    pos = None if pos is None else (torch.arange(n) % (10 * rep))[None].to(dev)
+    doc, valid = stretch(doc), stretch(valid)
+    hi = None if hi is None else hi * rep
+    torch.manual_seed(0)
+    b = max([t.shape[0] for t in (pos, doc, valid) if t is not None] or [2])
+    h, hkv, d = 8, 2, 64
+    q, k, v = (torch.randn(b, x, n, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for x in (h, hkv, hkv))
+    plan = OA.attention_plan(pos, doc, valid, lo, hi) if (pos, doc, valid) != (None, None, None) else []
+    before = dict(OA.PATHS)
+    out, lse = torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, valid, lo, hi, d**-0.5, plan)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    flash = OA.PATHS["flash"] - before["flash"]
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = K.reference(*ref_in, pos, doc, valid, lo, hi, d**-0.5)
+    ref_grads = torch.autograd.grad(ref, ref_in, g.double())
+    e_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    eager = K.reference(*e_in, pos, doc, valid, lo, hi, d**-0.5)
+    eager_grads = torch.autograd.grad(eager, e_in, g)
+    for label, a, e, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (eager, *eager_grads), (ref, *ref_grads)):
+        ours, theirs = (a.double() - r).norm().item(), (e.double() - r).norm().item()
+        assert torch.isfinite(a).all(), (name, label)
+        assert ours <= 1.5 * theirs + 1e-6, (name, label, ours, theirs, flash)
+    mask = K.block_mask(torch.arange(n, device=dev), n, pos, doc, valid, lo, hi)
+    if mask is not None:
+        empty = ~mask.expand(b, 1, n, n).any(-1).expand(b, h, n)
+        assert torch.equal(torch.isinf(lse), empty), name
+        assert (out[empty[..., None].expand_as(out)] == 0).all(), name
+    assert flash == (2 if exact else 0), (name, flash)
