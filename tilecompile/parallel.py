@@ -22,7 +22,9 @@ Styles:
 
 Attention projections are split by whole heads: q/k/v colwise, o rowwise; the head counts (KV heads too) must
 divide by the group size. Hugging Face Llama / Qwen2 attention reshape with ``(*input_shape, -1, head_dim)``, so
-the local head count follows from the local weight and nothing in the module needs changing.
+the local head count follows from the local weight and nothing in the module needs changing. A norm over a
+sharded linear's whole output (OLMo-2's ``q_norm = RMSNorm(heads * head_dim)`` beside ``q_proj``; Qwen3's per-head
+norms are fine) is refused: its mean of squares would need every rank's features.
 """
 
 from __future__ import annotations
@@ -129,6 +131,37 @@ def _check_heads(model: torch.nn.Module, name: str, rows: int, world: int, parts
             )
 
 
+def _check_norms(
+    model: torch.nn.Module, name: str, style: str, pattern: str, sizes: tuple[int, ...], planned: Mapping[str, object]
+) -> None:
+    """Refuses a colwise linear beside a norm over its whole output (OLMo-2's ``q_norm``: ``RMSNorm(heads *
+    head_dim)`` applied to ``q_proj``'s output before the reshape to heads). Such a norm reduces over the features
+    this plan shards, so after sharding its weight no longer fits the local output (Dynamo then fails with a fake
+    tensor error) and a local mean of squares would not be the norm's. The test: a sibling module (same parent)
+    outside the plan whose own ``weight`` is 1-D and as long as the linear's global output (or one of its packed
+    parts). Per-head norms (Qwen3's ``q_norm``, size ``head_dim`` of the attention module) are fine under head
+    sharding; the block's own norms (``input_layernorm``) sit one level up, beside ``self_attn`` and ``mlp``."""
+    parent_name, _, _ = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    head_dim = getattr(parent, "head_dim", None)
+    for child_name, child in parent.named_children():
+        fqn = f"{parent_name}.{child_name}" if parent_name else child_name
+        weight = getattr(child, "weight", None)
+        if fqn == name or fqn in planned or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            continue
+        n = weight.shape[0]
+        if n not in sizes or n == head_dim:
+            continue
+        hint = ", e.g. shard only the MLP and the lm_head" if isinstance(head_dim, int) else ""
+        raise PlanError(
+            f"{name} (matched by {pattern!r}, {style}) cannot be sharded: {fqn} ({type(child).__name__}, weight "
+            f"[{n}]) beside it spans all {n} of its output features, which the plan splits across ranks. A norm "
+            f"over a projection's whole output (OLMo-2's q_norm / k_norm; per-head norms, size head_dim, are fine) "
+            f"is not supported under tensor parallelism: leave the linears of {parent_name or 'the model'} out of "
+            f"the plan (they then run replicated){hint}"
+        )
+
+
 def _closest(pattern: str, names: list[str]) -> list[str]:
     generic = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in names} | set(names))
     return difflib.get_close_matches(pattern, generic, n=3, cutoff=0.5)
@@ -204,6 +237,8 @@ def parallelize(
                 )
         if style in ("colwise", "packed_colwise", "rowwise"):
             _check_heads(model, name, shape[0] if dim == 0 else shape[1], world, parts)
+        if style in ("colwise", "packed_colwise"):
+            _check_norms(model, name, style, pattern, (shape[0], *parts), chosen)
         spec = ShardSpec(f"{name}.weight", style, dim, group_name, world, rank, shape, parts, sequence_parallel)
         if id(weight) in seen and seen[id(weight)].style != style:
             raise PlanError(f"{name}.weight is tied to {seen[id(weight)].fqn} with another style")
