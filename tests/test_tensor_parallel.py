@@ -616,6 +616,15 @@ def test_norm_over_sharded_features_is_refused(one_process_group):
         TP.PlanError, match=rf"mlp\.gate_proj .*\.mlp\.ffn_sub_norm \(BitNetRMSNorm, weight \[{INTER}\]\)"
     ):
         tilecompile.parallelize(bitnet, {"model.layers.*.mlp.gate_proj": "colwise"})
+    # Cohere's per-head norms with a weight per head ([heads, head_dim]): unsharded, they do not fit either
+    cfg = transformers.CohereConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                                    use_qk_norm=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # fmt: skip
+    cohere = transformers.CohereForCausalLM(cfg)
+    with pytest.raises(
+        TP.PlanError, match=rf"self_attn\.k_norm \(CohereLayerNorm, weight \[{KV_HEADS}, {HEAD_DIM}\]\)"
+    ):
+        tilecompile.parallelize(cohere, {"model.layers.*.self_attn.k_proj": "colwise"})
     # any module with a 1-D weight of the output's size beside the linear counts, whatever its class
     block = torch.nn.Module()
     block.up, block.scale = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16)

@@ -24,7 +24,8 @@ Attention projections are split by whole heads: q/k/v colwise, o rowwise; the he
 divide by the group size. Hugging Face Llama / Qwen2 attention reshape with ``(*input_shape, -1, head_dim)``, so
 the local head count follows from the local weight and nothing in the module needs changing. A norm over a
 sharded linear's whole output (OLMo-2's ``q_norm = RMSNorm(heads * head_dim)`` beside ``q_proj``; Qwen3's per-head
-norms are fine) is refused: its mean of squares would need every rank's features.
+norms are fine) is refused: its mean of squares would need every rank's features (so is Cohere's per-head norm
+with a weight per head, which the plan would leave whole).
 """
 
 from __future__ import annotations
@@ -134,31 +135,38 @@ def _check_heads(model: torch.nn.Module, name: str, rows: int, world: int, parts
 def _check_norms(
     model: torch.nn.Module, name: str, style: str, pattern: str, sizes: tuple[int, ...], planned: Mapping[str, object]
 ) -> None:
-    """Refuses a colwise linear beside a norm over its whole output (OLMo-2's ``q_norm``: ``RMSNorm(heads *
-    head_dim)`` applied to ``q_proj``'s output before the reshape to heads). Such a norm reduces over the features
-    this plan shards, so after sharding its weight no longer fits the local output (Dynamo then fails with a fake
-    tensor error) and a local mean of squares would not be the norm's. The test: a sibling module (same parent)
-    outside the plan whose own ``weight`` is 1-D and as long as the linear's global output (or one of its packed
-    parts). Per-head norms (Qwen3's ``q_norm``, size ``head_dim`` of the attention module) are fine under head
-    sharding; the block's own norms (``input_layernorm``) sit one level up, beside ``self_attn`` and ``mlp``."""
+    """Refuses a colwise linear beside a module holding one weight per output feature of it, which the plan would
+    leave whole. OLMo-2's ``q_norm`` is ``RMSNorm(heads * head_dim)`` applied to ``q_proj``'s output before the
+    reshape to heads: it reduces over the features this plan shards, so after sharding its weight no longer fits
+    the local output (Dynamo then fails with a fake tensor error) and a local mean of squares would not be the
+    norm's. Cohere's ``q_norm`` is per head but weighs each head apart (weight ``[heads, head_dim]``): the same
+    misfit. The test: a sibling module (same parent) outside the plan whose own ``weight`` is 1-D and as long as
+    the linear's global output (or one of its packed parts), or ``[n, head_dim]`` with ``n * head_dim`` that long.
+    Per-head norms shared by all heads (Qwen3's, Gemma3's: size ``head_dim``) are fine under head sharding; the
+    block's own norms (``input_layernorm``) sit one level up, beside ``self_attn`` and ``mlp``."""
     parent_name, _, _ = name.rpartition(".")
     parent = model.get_submodule(parent_name)
     head_dim = getattr(parent, "head_dim", None)
+    head_dim = head_dim if isinstance(head_dim, int) else None
     for child_name, child in parent.named_children():
         fqn = f"{parent_name}.{child_name}" if parent_name else child_name
         weight = getattr(child, "weight", None)
-        if fqn == name or fqn in planned or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        if fqn == name or fqn in planned or not isinstance(weight, torch.Tensor):
             continue
-        n = weight.shape[0]
-        if n not in sizes or n == head_dim:
+        shape = tuple(weight.shape)
+        if len(shape) == 1 and shape[0] in sizes and shape[0] != head_dim:
+            what = f"spans all {shape[0]} of its output features"
+        elif len(shape) == 2 and head_dim is not None and shape[1] == head_dim and shape[0] * head_dim in sizes:
+            what = f"weighs each of its {shape[0]} heads apart"
+        else:
             continue
-        hint = ", e.g. shard only the MLP and the lm_head" if isinstance(head_dim, int) else ""
+        hint = ", e.g. shard only the MLP and the lm_head" if head_dim is not None else ""
         raise PlanError(
             f"{name} (matched by {pattern!r}, {style}) cannot be sharded: {fqn} ({type(child).__name__}, weight "
-            f"[{n}]) beside it spans all {n} of its output features, which the plan splits across ranks. A norm "
-            f"over a projection's whole output (OLMo-2's q_norm / k_norm; per-head norms, size head_dim, are fine) "
-            f"is not supported under tensor parallelism: leave the linears of {parent_name or 'the model'} out of "
-            f"the plan (they then run replicated){hint}"
+            f"{list(shape)}) beside it {what}, which the plan splits across ranks. A norm over a projection's whole "
+            f"output (OLMo-2's q_norm / k_norm) or with a weight per head (Cohere's) is not supported under tensor "
+            f"parallelism (per-head norms of size head_dim are fine): leave the linears of "
+            f"{parent_name or 'the model'} out of the plan (they then run replicated){hint}"
         )
 
 
