@@ -44,7 +44,8 @@ def tiny(arch: str, layers: int = 2, tied: bool = False) -> torch.nn.Module:
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),  # q_norm / k_norm over the heads
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),  # q_norm / k_norm per head
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),  # q_norm / k_norm over all heads
     }[arch]
     cfg = cfg_cls(
         hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers, num_attention_heads=HEADS,
@@ -591,6 +592,66 @@ def test_plan_errors_name_the_problem(one_process_group):
     tilecompile.parallelize(model, {"lm_head": "vocab_colwise"})
     with pytest.raises(TP.PlanError, match="already parallelized"):
         tilecompile.parallelize(model, {"lm_head": "vocab_colwise"})
+
+
+def test_norm_over_sharded_features_is_refused(one_process_group):
+    """OLMo-2's q_norm / k_norm span all heads of q_proj / k_proj (RMSNorm(heads * head_dim) before the reshape):
+    head sharding is refused in parallelize, naming the projection and the norm, instead of a fake-tensor error in
+    Dynamo at compile time. The refusal does not depend on the group size (the plan is wrong for the model on any
+    number of ranks), and it leaves the model untouched."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny("olmo2", layers=1)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj .* model\.layers\.0\.self_attn\.q_norm "
+                                         r"\(Olmo2RMSNorm, weight \[64\]\)"):  # fmt: skip
+        tilecompile.parallelize(model, PLAN)
+    with pytest.raises(TP.PlanError, match=r"self_attn\.k_norm \(Olmo2RMSNorm, weight \[32\]\)"):
+        tilecompile.parallelize(model, {"model.layers.*.self_attn.k_proj": "colwise"})
+    assert TP.info_of(model) is None and all(TP.spec_of(p) is None for p in model.parameters())
+    # a norm over the MLP's intermediate features (BitNet's ffn_sub_norm, between up_proj and down_proj)
+    cfg = transformers.BitNetConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                                    bos_token_id=0, eos_token_id=1)  # fmt: skip
+    bitnet = transformers.BitNetForCausalLM(cfg)
+    with pytest.raises(
+        TP.PlanError, match=rf"mlp\.gate_proj .*\.mlp\.ffn_sub_norm \(BitNetRMSNorm, weight \[{INTER}\]\)"
+    ):
+        tilecompile.parallelize(bitnet, {"model.layers.*.mlp.gate_proj": "colwise"})
+    # Cohere's per-head norms with a weight per head ([heads, head_dim]): unsharded, they do not fit either
+    cfg = transformers.CohereConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                                    use_qk_norm=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)  # fmt: skip
+    cohere = transformers.CohereForCausalLM(cfg)
+    with pytest.raises(
+        TP.PlanError, match=rf"self_attn\.k_norm \(CohereLayerNorm, weight \[{KV_HEADS}, {HEAD_DIM}\]\)"
+    ):
+        tilecompile.parallelize(cohere, {"model.layers.*.self_attn.k_proj": "colwise"})
+    # any module with a 1-D weight of the output's size beside the linear counts, whatever its class
+    block = torch.nn.Module()
+    block.up, block.scale = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16)
+    with pytest.raises(TP.PlanError, match=r"up \(matched by 'up', colwise\) .* scale \(LayerNorm, weight \[16\]\)"):
+        tilecompile.parallelize(block, {"up": "colwise"})
+
+
+def test_per_head_and_block_norms_are_accepted(one_process_group):
+    """Qwen3's q_norm / k_norm are per head (size head_dim): fine under head sharding (the two- and four-rank
+    scenarios compare it with the unsharded model). The decoder layer's own norms sit beside self_attn and mlp,
+    not beside the projections: an OLMo-2 plan that shards only the MLP and the lm_head is accepted, compiles and
+    matches the unsharded model."""
+    from helpers import assert_close, compile_options
+
+    qwen3 = tiny("qwen3", layers=1)
+    tilecompile.parallelize(qwen3, PLAN)
+    assert TP.spec_of(qwen3.model.layers[0].self_attn.q_proj.weight).style == "colwise"
+    assert TP.spec_of(qwen3.model.layers[0].self_attn.q_norm.weight) is None
+    data = batch()
+    model, full, expected = reference("olmo2", False, data, layers=1)
+    plan = {k: v for k, v in PLAN.items() if "self_attn" not in k}
+    tilecompile.parallelize(model, plan)
+    torch._dynamo.reset()
+    loss = torch.compile(ppo_loss, backend="tilecompile", options=compile_options())(model, *data)
+    loss.backward()
+    assert_close(loss, expected, rtol=RTOL, atol=ATOL, name="loss")
+    check_grads(model, full, 0, 1)
 
 
 @pytest.mark.slow

@@ -22,7 +22,10 @@ Styles:
 
 Attention projections are split by whole heads: q/k/v colwise, o rowwise; the head counts (KV heads too) must
 divide by the group size. Hugging Face Llama / Qwen2 attention reshape with ``(*input_shape, -1, head_dim)``, so
-the local head count follows from the local weight and nothing in the module needs changing.
+the local head count follows from the local weight and nothing in the module needs changing. A norm over a
+sharded linear's whole output (OLMo-2's ``q_norm = RMSNorm(heads * head_dim)`` beside ``q_proj``; Qwen3's per-head
+norms are fine) is refused: its mean of squares would need every rank's features (so is Cohere's per-head norm
+with a weight per head, which the plan would leave whole).
 """
 
 from __future__ import annotations
@@ -129,6 +132,44 @@ def _check_heads(model: torch.nn.Module, name: str, rows: int, world: int, parts
             )
 
 
+def _check_norms(
+    model: torch.nn.Module, name: str, style: str, pattern: str, sizes: tuple[int, ...], planned: Mapping[str, object]
+) -> None:
+    """Refuses a colwise linear beside a module holding one weight per output feature of it, which the plan would
+    leave whole. OLMo-2's ``q_norm`` is ``RMSNorm(heads * head_dim)`` applied to ``q_proj``'s output before the
+    reshape to heads: it reduces over the features this plan shards, so after sharding its weight no longer fits
+    the local output (Dynamo then fails with a fake tensor error) and a local mean of squares would not be the
+    norm's. Cohere's ``q_norm`` is per head but weighs each head apart (weight ``[heads, head_dim]``): the same
+    misfit. The test: a sibling module (same parent) outside the plan whose own ``weight`` is 1-D and as long as
+    the linear's global output (or one of its packed parts), or ``[n, head_dim]`` with ``n * head_dim`` that long.
+    Per-head norms shared by all heads (Qwen3's, Gemma3's: size ``head_dim``) are fine under head sharding; the
+    block's own norms (``input_layernorm``) sit one level up, beside ``self_attn`` and ``mlp``."""
+    parent_name, _, _ = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    head_dim = getattr(parent, "head_dim", None)
+    head_dim = head_dim if isinstance(head_dim, int) else None
+    for child_name, child in parent.named_children():
+        fqn = f"{parent_name}.{child_name}" if parent_name else child_name
+        weight = getattr(child, "weight", None)
+        if fqn == name or fqn in planned or not isinstance(weight, torch.Tensor):
+            continue
+        shape = tuple(weight.shape)
+        if len(shape) == 1 and shape[0] in sizes and shape[0] != head_dim:
+            what = f"spans all {shape[0]} of its output features"
+        elif len(shape) == 2 and head_dim is not None and shape[1] == head_dim and shape[0] * head_dim in sizes:
+            what = f"weighs each of its {shape[0]} heads apart"
+        else:
+            continue
+        hint = ", e.g. shard only the MLP and the lm_head" if head_dim is not None else ""
+        raise PlanError(
+            f"{name} (matched by {pattern!r}, {style}) cannot be sharded: {fqn} ({type(child).__name__}, weight "
+            f"{list(shape)}) beside it {what}, which the plan splits across ranks. A norm over a projection's whole "
+            f"output (OLMo-2's q_norm / k_norm) or with a weight per head (Cohere's) is not supported under tensor "
+            f"parallelism (per-head norms of size head_dim are fine): leave the linears of "
+            f"{parent_name or 'the model'} out of the plan (they then run replicated){hint}"
+        )
+
+
 def _closest(pattern: str, names: list[str]) -> list[str]:
     generic = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in names} | set(names))
     return difflib.get_close_matches(pattern, generic, n=3, cutoff=0.5)
@@ -204,6 +245,8 @@ def parallelize(
                 )
         if style in ("colwise", "packed_colwise", "rowwise"):
             _check_heads(model, name, shape[0] if dim == 0 else shape[1], world, parts)
+        if style in ("colwise", "packed_colwise"):
+            _check_norms(model, name, style, pattern, (shape[0], *parts), chosen)
         spec = ShardSpec(f"{name}.weight", style, dim, group_name, world, rank, shape, parts, sequence_parallel)
         if id(weight) in seen and seen[id(weight)].style != style:
             raise PlanError(f"{name}.weight is tied to {seen[id(weight)].fqn} with another style")
