@@ -59,7 +59,7 @@ FIELDS = [
     "model", "family", "tiny", "dtype", "layers", "full_layers", "method", "checkpointing", "dynamic", "packed",
     "rows", "mask", "env",
     "seq_len", "ok", "error", "tok_s", "step_s", "peak_gib", "first_step_s", "compile_s", "graphs", "compiles_total",
-    "rewrites", "loss", "device", "torch", "triton", "transformers", "liger", "date", "commit",
+    "rewrites", "host_syncs", "loss", "device", "torch", "triton", "transformers", "liger", "date", "commit",
 ]  # fmt: skip
 ROW = "ROW "  # a worker's result lines start with this
 
@@ -156,6 +156,13 @@ def inputs(n: int, vocab: int, packed: int, device: torch.device, rows: int = 1,
     return tuple(None if t is None else t.to(device) for t in (ids, adv, old_logp, pos, attention, loss_mask))
 
 
+def _host_syncs() -> int:
+    """Host syncs tilecompile's attention has made so far (its mask plans: one per compiled graph's step)."""
+    from tilecompile.kernels import attention as K
+
+    return K.HOST_SYNCS[0]
+
+
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
@@ -215,14 +222,17 @@ def worker(cfg: dict) -> None:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             times, loss = [], 0.0
+            syncs = _host_syncs()
             for _ in range(cfg["repeats"]):
                 seconds, loss = run(step, batch)
                 times.append(seconds)
+            syncs = (_host_syncs() - syncs) / cfg["repeats"]
             median = statistics.median(times)
             report = tilecompile.report()
             slots = n * cfg.get("rows", 1)
             row.update(ok=1, tok_s=round(slots / median, 1), step_s=round(median, 4), first_step_s=round(first, 2),
                        compile_s=round(first - median, 2), graphs=graphs, compiles_total=total, loss=loss,
+                       host_syncs=syncs,
                        rewrites=" ".join(f"{k}={v}" for k, v in report.counts.items() if v) if report.graphs else "",
                        peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else "")  # fmt: skip
         except Exception as exc:  # an OOM ends the method: its previous length was its longest
@@ -305,7 +315,7 @@ def run_worker(cfg: dict) -> list[dict]:
         if line.startswith(ROW):
             row = json.loads(line[len(ROW) :])
             rows.append(row)
-            keys = ("seq_len", "ok", "error", "tok_s", "peak_gib", "first_step_s", "graphs", "rewrites")
+            keys = ("seq_len", "ok", "error", "tok_s", "peak_gib", "first_step_s", "graphs", "rewrites", "host_syncs")
             shown = " ".join(f"{k}={row[k]}" for k in keys if row.get(k) not in (None, ""))
             print(f"{row['method']:<12} ckpt={row['checkpointing']} {shown}", flush=True)
         else:

@@ -67,6 +67,13 @@ def block_mask(
     return None if mask is None else mask[:, None]
 
 
+def token_major(like: torch.Tensor, b: int, heads: int, n: int, d: int) -> torch.Tensor:
+    """An empty [B, heads, N, D] tensor stored token-major ([B, N, heads, D] memory), the layout attention's
+    neighbours use (HF's ``view(B, N, heads, D).transpose(1, 2)`` and back): every path returns out and the grads
+    so, and the fake kernels say so, so no layer copies them into another layout."""
+    return like.new_empty((b, n, heads, d)).transpose(1, 2)
+
+
 def _block_rows(b: int, h: int, n_kv: int) -> int:
     rows = CHUNK_BUDGET_BYTES // max(1, b * h * n_kv * 4)
     return int(max(16, min(rows, 4096)))
@@ -97,7 +104,7 @@ def chunked_fwd(q, k, v, pos, doc, valid, lo, hi, scale):
     b, h, n, _ = q.shape
     ct = _compute_dtype(q.dtype)
     kc, vc = k.to(ct)[:, :, None], v.to(ct)[:, :, None]  # [B, Hkv, 1, N, D]
-    out = q.new_empty((b, h, n, v.shape[-1]))
+    out = token_major(q, b, h, n, v.shape[-1])
     lse = torch.empty((b, h, n), dtype=ct, device=q.device)
     step = _block_rows(b, h, k.shape[2])
     for start in range(0, n, step):
@@ -121,7 +128,7 @@ def chunked_bwd(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, scale):
     hkv, n_kv = k.shape[1], k.shape[2]
     ct = _compute_dtype(q.dtype)
     kc, vc = k.to(ct)[:, :, None], v.to(ct)[:, :, None]
-    dq = q.new_empty(q.shape)
+    dq = token_major(q, b, h, n, q.shape[-1])
     dk = torch.zeros((b, hkv, h // hkv, n_kv, k.shape[-1]), dtype=ct, device=q.device)
     dv = torch.zeros((b, hkv, h // hkv, n_kv, v.shape[-1]), dtype=ct, device=q.device)
     step = _block_rows(b, h, n_kv)
@@ -140,7 +147,8 @@ def chunked_bwd(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, scale):
         ds = p * (dp - delta)
         dq[:, :, sl] = ((ds @ kc) * scale).reshape(b, h, -1, q.shape[-1]).to(q.dtype)
         dk += (ds.transpose(-1, -2) @ qb) * scale
-    return dq, dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype)
+    dk_out, dv_out = token_major(k, b, hkv, n_kv, k.shape[-1]), token_major(v, b, hkv, n_kv, v.shape[-1])
+    return dq, dk_out.copy_(dk.sum(2)), dv_out.copy_(dv.sum(2))
 
 
 def reference(q, k, v, pos, doc, valid, lo, hi, scale):
@@ -256,6 +264,7 @@ def packed(plan: list[torch.Tensor] | tuple[torch.Tensor, ...], b: int, n: int) 
         "inv": None if identity else inv,
         "region": region,
         "t1": t1,
+        "t2": t2,
         "cu1": cu1[: s + 1],
         "cu2": cu2[: s + 1] if t2 else None,
         "max1": max(1, max1),
@@ -270,16 +279,19 @@ def _windows(lo, hi):
 
 
 def _pack(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """[B, heads, N, D] -> [T, heads, D] in packed order."""
+    """[B, heads, N, D] -> [T, heads, D] in packed order: one gather (a view where the order is the identity and
+    ``t`` is token-major, as HF's q, k, v are)."""
     b, heads, n, d = t.shape
-    flat = t.transpose(1, 2).reshape(b * n, heads, d)
-    return flat.contiguous() if order is None else flat.index_select(0, order)
+    tm = t.transpose(1, 2)  # [B, N, heads, D]
+    if order is None:
+        return tm.reshape(b * n, heads, d).contiguous()
+    return tm[order // n, order % n]
 
 
 def _unpack(t: torch.Tensor, inv: torch.Tensor | None, b: int, n: int) -> torch.Tensor:
-    """[T, heads, D] in packed order -> [B, heads, N, D] (contiguous)."""
+    """[T, heads, D] in packed order -> [B, heads, N, D], token-major (see ``token_major``)."""
     flat = t if inv is None else t.index_select(0, inv)
-    return flat.reshape(b, n, t.shape[1], t.shape[2]).transpose(1, 2).contiguous()
+    return flat.view(b, n, t.shape[1], t.shape[2]).transpose(1, 2)
 
 
 def flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
@@ -301,48 +313,49 @@ def flash_bwd(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, righ
 
 
 def packed_fwd(q, k, v, pk: dict, lo, hi, scale):
-    """(out [B, H, N, D], lse [B, H, N] fp32: +inf on a row with no allowed key, whose output is 0)."""
+    """(out [B, H, N, D] token-major, lse [B, H, N] fp32: +inf on a row with no allowed key, whose output is 0).
+
+    Packed rows: [0, t1) call 1's queries, [t1, t1 + t2) call 2's (right-pad rows), then rows with no key. Each call
+    leaves the rows outside its segments unwritten; they are filled here by slices (the bounds are on the host)."""
     b, h, n, _ = q.shape
-    order, region = pk["order"], pk["region"]
-    qf, kf, vf = (_pack(t, order) for t in (q, k, v))
+    t1, t = pk["t1"], b * n
+    order = pk["order"]
+    qf, kf, vf = (_pack(x, order) for x in (q, k, v))
     left, right = _windows(lo, hi)
     out, lse = flash_fwd(qf, kf, vf, pk["cu1"], pk["cu1"], pk["max1"], pk["max1"], lo == 0, left, right, scale)
-    if tuple(lse.shape) != (h, b * n):
-        raise RuntimeError(f"flash varlen returned lse of shape {tuple(lse.shape)}, expected {(h, b * n)}")
-    r = region[:, None, None]
-    zero = out.new_zeros(())
-    inf = lse.new_full((), float("inf"))
+    if tuple(lse.shape) != (h, t):
+        raise RuntimeError(f"flash varlen returned lse of shape {tuple(lse.shape)}, expected {(h, t)}")
+    t2 = 0
     if pk["cu2"] is not None:
         out2, lse2 = flash_fwd(qf, kf, vf, pk["cu2"], pk["cu1"], pk["max2"], pk["max1"], False, -1, -1, scale)
-        out = torch.where(r == 0, out, torch.where(r == 1, out2, zero))
-        lse = torch.where(region == 0, lse, torch.where(region == 1, lse2, inf))
-    else:
-        out = torch.where(r == 0, out, zero)
-        lse = torch.where(region == 0, lse, inf)
+        t2 = pk["t2"]
+        out[t1 : t1 + t2] = out2[t1 : t1 + t2]
+        lse[:, t1 : t1 + t2] = lse2[:, t1 : t1 + t2]
+    out[t1 + t2 :] = 0
+    lse[:, t1 + t2 :] = float("inf")
     inv = pk["inv"]
     lse_flat = lse if inv is None else lse.index_select(1, inv)
-    return _unpack(out, inv, b, n), lse_flat.reshape(h, b, n).transpose(0, 1).contiguous()
+    return _unpack(out, inv, b, n), lse_flat.view(h, b, n).transpose(0, 1).contiguous()
 
 
 def packed_bwd(grad_out, q, k, v, out, lse, pk: dict, lo, hi, scale):
     b, h, n, _ = q.shape
-    order, region = pk["order"], pk["region"]
-    qf, kf, vf, of, gf = (_pack(t, order) for t in (q, k, v, out, grad_out))
+    t1, t2 = pk["t1"], pk["t2"] if pk["cu2"] is not None else 0
+    order = pk["order"]
+    qf, kf, vf, of, gf = (_pack(x, order) for x in (q, k, v, out, grad_out))
     lse_f = lse.transpose(0, 1).reshape(h, b * n)
     lse_f = lse_f.contiguous() if order is None else lse_f.index_select(1, order)
     left, right = _windows(lo, hi)
     args = (pk["cu1"], pk["cu1"], pk["max1"], pk["max1"], lo == 0, left, right)
     dq, dk, dv = flash_bwd(gf, qf, kf, vf, of, lse_f, *args, scale=scale)
-    r = region[:, None, None]
-    zero = dq.new_zeros(())
-    key = (torch.arange(b * n, device=q.device) < pk["t1"])[:, None, None]  # call 1's keys: the valid tokens
-    dk, dv = torch.where(key, dk, zero), torch.where(key, dv, zero)
-    if pk["cu2"] is not None:
+    if t2:
         args2 = (pk["cu2"], pk["cu1"], pk["max2"], pk["max1"], False, -1, -1)
         dq2, dk2, dv2 = flash_bwd(gf, qf, kf, vf, of, lse_f, *args2, scale=scale)
-        dq = torch.where(r == 0, dq, torch.where(r == 1, dq2, zero))
-        dk, dv = dk + torch.where(key, dk2, zero), dv + torch.where(key, dv2, zero)
-    else:
-        dq = torch.where(r == 0, dq, zero)
+        dq[t1 : t1 + t2] = dq2[t1 : t1 + t2]
+        dk[:t1] += dk2[:t1]
+        dv[:t1] += dv2[:t1]
+    dq[t1 + t2 :] = 0
+    dk[t1:] = 0  # only valid tokens are keys
+    dv[t1:] = 0
     inv = pk["inv"]
     return _unpack(dq, inv, b, n), _unpack(dk, inv, b, n), _unpack(dv, inv, b, n)

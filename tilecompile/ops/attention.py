@@ -137,7 +137,7 @@ def _(q, k, v, pos, doc, valid, lo, hi, scale, plan):
     _check_static(q, k, v, pos, doc, valid)
     b, h, n, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty((b, h, n, v.shape[-1])), q.new_empty((b, h, n), dtype=lse_dtype)
+    return K.token_major(q, b, h, n, v.shape[-1]), q.new_empty((b, h, n), dtype=lse_dtype)
 
 
 @torch.library.custom_op("tilecompile::masked_attention_backward", mutates_args=())
@@ -166,7 +166,7 @@ def masked_attention_backward(
 
 @masked_attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, scale, plan):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernels return
+    return tuple(K.token_major(t, *t.shape) for t in (q, k, v))  # the layout every path returns
 
 
 def _setup_context(ctx, inputs, output):
@@ -183,7 +183,7 @@ def _backward(ctx, grad_out, _grad_lse):
     if grad_out is None or not any(ctx.needs_input_grad[:3]):
         return (None,) * 9 + (no_plan,)
     dq, dk, dv = torch.ops.tilecompile.masked_attention_backward(
-        grad_out.contiguous(), q, k, v, out, lse, pos, doc, valid, ctx.lo, ctx.hi, ctx.scale, plan
+        grad_out, q, k, v, out, lse, pos, doc, valid, ctx.lo, ctx.hi, ctx.scale, plan
     )
     needs = ctx.needs_input_grad
     return (dq if needs[0] else None), (dk if needs[1] else None), (dv if needs[2] else None), *(None,) * 6, no_plan
