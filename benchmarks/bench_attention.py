@@ -345,8 +345,8 @@ def _padded_case(device, valid: torch.Tensor, doc: torch.Tensor | None, repeats:
         torch.autograd.grad(out, (q, k, v), g)
 
     row = dict(real=round(t1 / (b * n), 3), path=path, plan_ms=plan_ms, ours_ms=_time(ours, repeats),
-               floor_ms=_time(floor, repeats) if pk else None, floor_exact_ms=_time(floor_exact, repeats) if pk else None,
-               dense_ms=_time(dense, repeats))  # fmt: skip
+               floor_ms=_time(floor, repeats) if pk else None, dense_ms=_time(dense, repeats),
+               floor_exact_ms=_time(floor_exact, repeats) if pk else None)  # fmt: skip
     with torch.no_grad():
         ref = K.reference(*(t.detach().double() for t in (q, k, v)), None, doc, valid, 0, None, scale)
         out, _ = torch.ops.tilecompile.masked_attention(q, k, v, None, doc, valid, 0, None, scale, plan)
