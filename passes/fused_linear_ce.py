@@ -96,7 +96,7 @@ def check(r: A.Region) -> tuple[list[fx.Node], str | None]:
     escapes, reason = _escapes(r)
     if reason:
         return [], reason
-    if not escapes:
+    if not any(not isinstance(r.values[n], A.Size) for n in escapes):
         return [], "nothing computed from the logits is used"
     return escapes, None
 
@@ -127,6 +127,11 @@ def _escapes(r: A.Region) -> tuple[list[fx.Node], str | None]:
         if not outside:
             continue
         user = outside[0]
+        if isinstance(v, A.Size):
+            if v.item is None:
+                return out, f"the logits' size {node.name} is {_describe_use(user)}, not only read for one size"
+            out.append(node)
+            continue
         if isinstance(v, A.Write):
             return out, f"{node.name}, a write into buffer {v.buffer.name}, is also {_describe_use(user)}"
         if isinstance(v, A.Chain | A.Vocab | A.Parts):

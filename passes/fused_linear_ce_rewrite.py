@@ -117,6 +117,8 @@ def _rewrite_region(
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(r.values)
+    pinned_sizes = [n for n in escapes if isinstance(r.values[n], A.Size)]  # of the logits, ints in every call
+    escapes = [n for n in escapes if n not in pinned_sizes]
     users = [u for n in escapes for u in n.users if u not in inside]
     anchor = min(users, key=lambda u: position[u])
     # torch.no_grad() inside the graph: the calls run in the anchor's grad mode, switched on around the rewrite
@@ -204,7 +206,7 @@ def _rewrite_region(
                 lead = G.shape(hb)[:-1]
                 if not A.same_shape(G.shape(labels), lead):
                     if A.is_static(G.shape(labels)) and A.is_static(lead):  # labels of a reshaped view of these rows
-                        labels = b.call("reshape", labels, list(lead), method=True)
+                        labels = b.call("reshape", labels, [G.static_size(s) for s in lead], method=True)
                     elif A.ndim_of(labels) == len(lead) + 1:  # a gather index [..., 1]
                         labels = b.call(torch.squeeze, labels, -1)
             with_entropy = base in needs_entropy and out["entropy"] is None
@@ -271,7 +273,8 @@ def _rewrite_region(
             value = _row_value(b, v, out)
         want = G.example_value(node)
         if not A.same_shape(G.shape(value), tuple(want.shape)):  # a row value of a reshaped view of the base
-            value = b.call("reshape", value, list(want.shape), method=True)
+            shape = [s if G.static_size(s) is None else G.static_size(s) for s in want.shape]  # pinned: as ints
+            value = b.call("reshape", value, shape, method=True)
         if node in no_grad and (modes[anchor] is not False or switch):
             value = b.call("detach", value, method=True)
         if G.dtype(value) != want.dtype:
@@ -288,6 +291,11 @@ def _rewrite_region(
     if switch:
         with graph.inserting_before(anchor):
             new.append(graph.call_function(torch._C._set_grad_enabled, (False,)))
+
+    for node in pinned_sizes:  # every use, the views replayed on h included, gets the int
+        pinned = functools.partial(lambda n, item, a: item if a is n else a, node, r.values[node].item)
+        for user in list(node.users):
+            user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs), pinned)
 
     vp = r.vocab_parallel
     local = lin.node.args[0] if vp is not None else None  # the gather (the region's first node) reads it

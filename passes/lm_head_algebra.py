@@ -99,6 +99,15 @@ class Write:
     buffer: fx.Node
 
 
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """``z.size()`` of a chain node, or one of its sizes (``item``) that is the same int in every call
+    (``G.static_size``: a dim Dynamo pinned by a loop over it, ``for i in range(z.shape[0])``): the rewrite puts
+    that int where it is used."""
+
+    item: int | None = None
+
+
 def _combine(x: tuple, y: tuple, sy: float = 1.0) -> tuple:
     out: dict[Any, float] = dict(x)
     for k, v in y:
@@ -253,6 +262,9 @@ class Analysis:
             if dest is not None and _writes_through(x):
                 return self.write(node, dest.source, node.args[1], dest)
             return self.write(node, x, node.args[1], None)
+        if isinstance(xv, Size) and xv.item is None and name == "getitem" and isinstance(node.args[1], int):
+            item = G.static_size(G.example_value(node))
+            return Size(item) if item is not None else None
         if isinstance(xv, Parts) and name == "getitem":
             pc = r.values[xv.parent]
             return Chain((*pc.replay, x, node), pc.scale, pc.tensor_scales)
@@ -303,6 +315,10 @@ class Analysis:
         if name in _RESHAPES and isinstance(xv, Row) and is_static(G.shape(node)) and is_static(G.shape(x)):
             # per-row values of a reshaped view of the same rows (materialised with a static reshape)
             return Row(xv.base, xv.terms, False)
+        if name in ("view", "reshape", "unflatten") and isinstance(xv, Row):
+            out = self.unflattened_row(node, xv)
+            if out is not None:
+                return out
         if name == "contiguous" and isinstance(xv, Vocab | Row):
             return xv
         if (
@@ -342,7 +358,7 @@ class Analysis:
             if name == "stack":
                 where.append((c, k, k + 1, False))
                 continue
-            size = G.shape(item)[c] if c < ndim_of(item) else None
+            size = G.static_size(G.shape(item)[c]) if c < ndim_of(item) else None
             if not isinstance(size, int):
                 return None
             where.append((c, offset, offset + size, True))
@@ -448,7 +464,7 @@ class Analysis:
             raise Reject(f"{where} joins rows of different views of the logits")
         if len({(c.dim, c.keep) for c in cuts}) != 1:
             raise Reject(f"{where} joins parts of {parent.name} cut along different dims")
-        extent = G.shape(parent)[cuts[0].dim]
+        extent = G.static_size(G.shape(parent)[cuts[0].dim])
         covered = 0
         for start, stop in sorted((c.start, c.stop) for c in cuts):
             if start < covered:
@@ -532,6 +548,8 @@ class Analysis:
             return xv if target in FLOAT_DTYPES else None
         if name == "contiguous":
             return xv
+        if name == "size" and node.op == "call_method" and len(node.args) == 1 and not node.kwargs:
+            return Size()
         if node.target in ("div_", "mul_", operator.itruediv, operator.imul):
             return self.inplace_scale(node, x, xv)
         if name in G.VIEW_OPS or name in ("getitem", "unflatten", "narrow", "select"):
@@ -764,6 +782,25 @@ class Analysis:
             return Vocab(self.base_of(node), _Z, False)
         return v if isinstance(v, Vocab) else None
 
+    def unflattened_row(self, node: fx.Node, xv: Row) -> Row | None:
+        """Per-row values of a flattened view of the logits, reshaped back to the rows it was flattened from:
+        ``z.view(-1, V).logsumexp(-1).view(z.shape[:-1])`` is the logsumexp of z's rows under dynamic shapes too
+        (reshapes keep the rows' row-major order; sizes equal only at their hints, as the labels' own symbols, are
+        made equal by a guard). Values without labels only: the labels of a flattened view are flat."""
+        chain = self.r.chain(xv.base)
+        if xv.keepdim or chain is None or not chain.replay or any(isinstance(k, tuple) for k, _ in xv.terms):
+            return None
+        flat = chain.replay[-1]
+        parent = flat.args[0] if G.op(flat) in ("view", "reshape", "flatten") and flat.args else None
+        pv = self.r.values.get(parent) if isinstance(parent, fx.Node) else None
+        if not isinstance(pv, Chain) or pv.replay != chain.replay[:-1]:
+            return None
+        if (pv.scale, pv.tensor_scales) != (chain.scale, chain.tensor_scales):
+            return None
+        if not _equal_sizes(G.shape(node), G.shape(parent)[:-1]):
+            return None
+        return Row(self.base_of(parent), xv.terms, False)
+
     def row_dims(self, node: fx.Node, name: str, x: fx.Node, xv: Row) -> Row | None:
         dim = G.arg(node, 1, "dim")
         nd = ndim_of(x)
@@ -796,8 +833,8 @@ _ALLOCS = frozenset(
 )
 
 
-def _extent(cut: G.DimSlice) -> int:
-    return G.shape(cut.source)[cut.dim]
+def _extent(cut: G.DimSlice) -> int | None:
+    return G.static_size(G.shape(cut.source)[cut.dim])
 
 
 def _is_write(node: fx.Node, buffer: fx.Node) -> bool:
@@ -863,7 +900,8 @@ _RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "squeeze", "un
 
 
 def is_static(shape: tuple | None) -> bool:
-    return shape is not None and all(isinstance(s, int) for s in shape)
+    """Every size an int, or pinned to one by a guard (``G.static_size``): the same shape in every call."""
+    return shape is not None and all(G.static_size(s) is not None for s in shape)
 
 
 def _core(replay: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:

@@ -1089,3 +1089,76 @@ def test_eliminate_dead_code_keeps_in_place_calls():
     x = torch.randn(4)
     assert_close(gm(x), f(x), rtol=0, atol=0)
     assert G.is_inplace(next(n for n in gm.graph.nodes if n.target == "div_"))
+
+# ------------------------------------------------------------------------------------ recompiles and dynamic=True
+
+# every spelling above that fuses in the first static graph (row parts included): it must fuse in every later graph
+# too, whether Dynamo recompiles for a new length (static, then automatic dynamic) or compiles with dynamic=True
+_FUSING_SPELLINGS = [
+    lp_functions,
+    lp_methods,
+    lp_gather_minus_logsumexp,
+    lp_minus_keepdim_logsumexp,
+    lp_neg_cross_entropy,
+    lp_nll_loss,
+    lp_lse_of_flat_view,
+    entropy_verl,
+    entropy_p_logp,
+    entropy_exp_logp,
+    logp_entropy_ce_together,
+    shifted,
+    temperature_div,
+    temperature_mul,
+    temperature_inplace,
+    two_views,
+    entropy_only_shifted,
+    lp_trl_fp32,
+    ce_mean,
+    ce_sum,
+    ce_mean_ignore_7,
+    entropy_split_cat,
+    logp_chunk_cat_with_labels,
+    logp_entropy_unbind_stack,
+    logp_slices_cat,
+    log_softmax_parts_then_gather,
+    logp_buffer_setitem,
+    entropy_buffer_copy,
+    logp_buffer_int_rows,
+    temperature_inplace_operator,
+]
+
+
+def _fused_per_graph(spelling, dynamic, lengths=((2, 7), (3, 8), (2, 11)), grad=True):
+    if spelling is log_softmax_parts_then_gather:  # its parts are 3 + 4 rows along dim 1: vary the batch only
+        lengths = ((2, 7), (3, 7), (5, 7))
+    """Compile ``Head(spelling)`` for three lengths: every graph compiled must carry one rewrite, values eager's."""
+    torch.manual_seed(0)
+    model = Head(spelling)
+    compiled = torch.compile(model, backend="tilecompile", options=OPTIONS, dynamic=dynamic)
+    per_graph = []
+    for batch, seq in lengths:
+        h, y = torch.randn(batch, seq, D, requires_grad=grad), torch.randint(0, V, (batch, seq))
+        before = tilecompile.report()
+        with torch.set_grad_enabled(grad):
+            actual, expected = _outputs(compiled(h, y)), _outputs(model(h, y))
+        rep = tilecompile.report()
+        if rep.graphs > before.graphs:  # this call compiled a graph (one per call here: the head has no breaks)
+            assert rep.graphs == before.graphs + 1, rep
+            per_graph.append(rep.counts["fused_linear_ce"] - before.counts["fused_linear_ce"])
+        for a, e in zip(actual, expected, strict=True):
+            assert_close(a, e, rtol=1e-5, atol=1e-5, name=f"{spelling.__name__} at {(batch, seq)}")
+    return per_graph, rep
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("spelling", _FUSING_SPELLINGS, ids=lambda s: s.__name__)
+def test_spelling_fuses_in_every_graph(spelling, dynamic):
+    per_graph, rep = _fused_per_graph(spelling, dynamic)
+    assert per_graph and all(n == 1 for n in per_graph), (per_graph, [s.reason for s in rep.skipped])
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+def test_trl_selective_log_softmax_under_no_grad_fuses_in_every_graph(dynamic):
+    # issue 21: the loop over the rows pins the row count by a guard, so its parts partition the rows at every length
+    per_graph, rep = _fused_per_graph(lp_trl_fp32, dynamic, grad=False)
+    assert per_graph and all(n == 1 for n in per_graph), (per_graph, [s.reason for s in rep.skipped])

@@ -159,6 +159,25 @@ def hint(size: Any) -> int | None:
         return None
 
 
+def static_size(size: Any) -> int | None:
+    """``size`` as an int: an int, or a symbolic size that a guard has pinned to one value (Dynamo specialises the
+    dim of a tensor it iterates over, ``for row in logits``; another size recompiles). None for a size that can
+    still vary."""
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    try:
+        value = node.maybe_as_int() if node is not None else None
+        if value is None and node is not None:  # pinned without a replacement: ``s0*s1 == 24`` from a loop's range
+            from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+            at = hint(size)
+            value = at if at is not None and statically_known_true(size == at) else None
+        return value
+    except Exception:  # noqa: BLE001 - not a SymNode this torch knows: not static for us
+        return None
+
+
 def normalize_dim(dim: Any, ndim: int) -> int | None:
     if not isinstance(dim, int):
         return None
@@ -422,7 +441,7 @@ def _split_item(node: fx.Node, parent: fx.Node, index: Any) -> DimSlice | None:
     dim = arg(parent, 2, "dim", 0)
     src_shape = shape(src) if isinstance(src, fx.Node) else None
     d = normalize_dim(dim, len(src_shape or ()))
-    size = src_shape[d] if src_shape and d is not None and 0 <= d < len(src_shape) else None
+    size = static_size(src_shape[d]) if src_shape and d is not None and 0 <= d < len(src_shape) else None
     if not isinstance(size, int) or not isinstance(index, int) or index < 0:
         return None
     if name == "chunk":
@@ -456,7 +475,7 @@ def _dim_slice(node: fx.Node, src: Any, dim: Any, start: Any, stop: Any, keep: b
     d = normalize_dim(dim, len(src_shape or ()))
     if d is None or not 0 <= d < len(src_shape):
         return None
-    size = src_shape[d]  # a symbolic size: rows proven at its hint need not be those of a later call
+    size = static_size(src_shape[d])  # a symbolic size: rows proven at its hint need not be those of a later call
     if not isinstance(size, int) or not isinstance(start, int) or not isinstance(stop, int | None):
         return None
     if not keep and not -size <= start < size:
