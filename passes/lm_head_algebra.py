@@ -689,6 +689,7 @@ class Analysis:
             raise Reject(f"{where} uses the legacy size_average/reduce arguments")
         if smoothing:
             raise Reject(f"{where} has label_smoothing={smoothing} (the fused op has none)")
+        ignore, reduction = _pinned(ignore), _pinned(reduction)
         if not isinstance(ignore, int) or reduction not in ("none", "mean", "sum"):
             raise Reject(f"{where}: ignore_index={ignore!r} / reduction={reduction!r} are not constants it knows")
         if not isinstance(labels, fx.Node) or labels in r.values:
@@ -814,6 +815,21 @@ class Analysis:
         if name == "unsqueeze" and not xv.keepdim and G.normalize_dim(dim, nd + 1) == nd:
             return Row(xv.base, xv.terms, True)
         return None
+
+
+def _pinned(x: Any) -> Any:
+    """A symbolic int that names an index or a mode (``ignore_index`` passed into the compiled function, under
+    dynamic shapes) as the int it is in this call, under a guard: a call with another value recompiles (and is
+    fused for its own value). Anything else unchanged."""
+    value = G.example_value(x) if isinstance(x, fx.Node) else x
+    if not isinstance(value, torch.SymInt):
+        return x
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    try:
+        return guard_int(value)
+    except Exception:  # noqa: BLE001 - unbacked (data-dependent): no value to pin, left as it is
+        return x
 
 
 def _scale_value(v: Any, s: float | None) -> Any:

@@ -1162,3 +1162,35 @@ def test_trl_selective_log_softmax_under_no_grad_fuses_in_every_graph(dynamic):
     # issue 21: the loop over the rows pins the row count by a guard, so its parts partition the rows at every length
     per_graph, rep = _fused_per_graph(lp_trl_fp32, dynamic, grad=False)
     assert per_graph and all(n == 1 for n in per_graph), (per_graph, [s.reason for s in rep.skipped])
+
+
+def _ce_ignore_param(m, h, y, ignore_index):
+    return F.cross_entropy(m.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=ignore_index)
+
+
+def _ce_ignore_literal(m, h, y, ignore_index):
+    return F.cross_entropy(m.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+@pytest.mark.parametrize("spelling", [_ce_ignore_param, _ce_ignore_literal], ids=["parameter", "literal"])
+def test_ignore_index_argument_under_dynamic_shapes_is_pinned(spelling):
+    """issue 21: an int ignore_index passed into the compiled function is a SymInt under dynamic=True; the pass pins
+    it to its value by a guard (another value recompiles, and is fused for that value)."""
+    torch.manual_seed(0)
+    model = Head(spelling)
+    compiled = torch.compile(model, backend="tilecompile", options=OPTIONS, dynamic=True)
+    calls = ((2, 7, -100), (3, 5, -100), (2, 9, 3)) if spelling is _ce_ignore_param else ((2, 7, -100), (3, 5, -100))
+    for batch, seq, ignore in calls:
+        h = torch.randn(batch, seq, D, requires_grad=True)
+        y = with_ignored(torch.randint(0, V, (batch, seq)), ignore)
+        h_ref = h.detach().clone().requires_grad_()
+        actual, expected = compiled(h, y, ignore), model(h_ref, y, ignore)
+        assert_close(actual, expected, rtol=1e-5, atol=1e-5, name=f"loss at {(batch, seq, ignore)}")
+        actual.backward()
+        expected.backward()
+        assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-5, name="grad of h")
+    rep = tilecompile.report()
+    graphs = 2 if spelling is _ce_ignore_param else 1  # one per ignore_index value
+    assert rep.graphs == graphs and rep.counts["fused_linear_ce"] == graphs, rep
+    details = " ".join(r.detail for r in rep.rewrites)
+    assert "ignore_index=-100" in details and ("ignore_index=3" in details) == (spelling is _ce_ignore_param)
