@@ -566,7 +566,12 @@ class Analysis:
         if s is not None:
             scale = xv.scale * (s if name == "mul" else 1.0 / s) if s != 0 else 0.0
             if not math.isfinite(scale) or scale <= 0:
-                return None
+                # keep following the logits, so that the reason is reported if they reach a softmax
+                how = f"{'multiplied' if name == 'mul' else 'divided'} by {s:g}"
+                self.r.rejected = self.r.rejected or (
+                    f"the logits are {how}: a temperature that is not finite and > 0 (the fused op's must be)"
+                )
+                return xv
             return Chain(xv.replay, scale, xv.tensor_scales)
         if isinstance(other, fx.Node):
             value = G.example_value(other)

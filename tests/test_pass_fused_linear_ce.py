@@ -1194,3 +1194,25 @@ def test_ignore_index_argument_under_dynamic_shapes_is_pinned(spelling):
     assert rep.graphs == graphs and rep.counts["fused_linear_ce"] == graphs, rep
     details = " ".join(r.detail for r in rep.rewrites)
     assert "ignore_index=-100" in details and ("ignore_index=3" in details) == (spelling is _ce_ignore_param)
+
+
+def _temperature_negative(m, h, y):
+    z = m.lm_head(h) / -0.5
+    return z.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
+def _temperature_zero_scale(m, h, y):
+    z = m.lm_head(h) * 0.0
+    return entropy_of(z)
+
+
+@pytest.mark.parametrize(
+    ("spelling", "how"),
+    [(_temperature_negative, "divided by -0.5"), (_temperature_zero_scale, "multiplied by 0")],
+    ids=["negative", "zero"],
+)
+def test_temperature_not_above_zero_is_skipped_with_reason(spelling, how):
+    # issue 21: the rewrite was dropped without an entry in the report
+    rep = compile_and_compare(spelling, rewrites=0)
+    reasons = [s.reason for s in rep.skipped if s.pass_name == "fused_linear_ce"]
+    assert len(reasons) == 1 and how in reasons[0] and "finite and > 0" in reasons[0], rep
