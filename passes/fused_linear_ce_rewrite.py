@@ -28,8 +28,8 @@ from tilecompile.pipeline import expect
 
 NAME = "fused_linear_ce"  # the pass's name in its records (passes/fused_linear_ce.py)
 
-# the ignore_index a lone gather gets: no label equals it, so a negative label is the op's out-of-range error (as
-# eager's gather raises) instead of a silent log-prob of 0
+# the ignore_index a lone gather gets (tilecompile/ops/fused_linear_ce.py's NO_IGNORE): no label equals it, so a
+# negative label is the op's out-of-range error (eager's gather raises) instead of a silent log-prob of 0
 _NO_IGNORE = -(2**63)
 _SPELLING_OPS = frozenset(
     {"log_softmax", "softmax", "logsumexp", "exp", "gather", "take_along_dim", "cross_entropy", "nll_loss"}

@@ -1216,3 +1216,30 @@ def test_temperature_not_above_zero_is_skipped_with_reason(spelling, how):
     rep = compile_and_compare(spelling, rewrites=0)
     reasons = [s.reason for s in rep.skipped if s.pass_name == "fused_linear_ce"]
     assert len(reasons) == 1 and how in reasons[0] and "finite and > 0" in reasons[0], rep
+
+
+@pytest.mark.parametrize(
+    ("spelling", "eager_type"),
+    [(lp_functions, RuntimeError), (lp_gather_minus_logsumexp, RuntimeError), (lp_neg_cross_entropy, IndexError)],
+    ids=["log_softmax_gather", "gather_minus_logsumexp", "cross_entropy"],
+)
+def test_out_of_range_label_raises_eagers_type_without_the_sentinel(spelling, eager_type):
+    """issue 21: the op's error for a label outside [0, V) names no internal ignore_index sentinel and is of the type
+    eager raises (RuntimeError for gather, IndexError for cross_entropy); still a ValueError, as the op's others."""
+    from tilecompile.ops.fused_linear_ce import NO_IGNORE, LabelOutOfRange
+    from tilecompile.passes.fused_linear_ce_rewrite import _NO_IGNORE
+
+    assert NO_IGNORE == _NO_IGNORE
+    model = Head(spelling)
+    h, y = torch.randn(3, 7, D), torch.randint(0, V, (3, 7))
+    y[1, 2] = V + 3
+    with pytest.raises(eager_type):
+        model(h, y)
+    compiled = torch.compile(model, backend="tilecompile", options=OPTIONS)
+    with pytest.raises(eager_type) as err:
+        compiled(h, y)
+    assert tilecompile.report().counts["fused_linear_ce"] == 1
+    text = str(err.value)
+    assert isinstance(err.value, LabelOutOfRange | ValueError) and f"label {V + 3} out of range" in text, text
+    assert str(NO_IGNORE) not in text, text
+    assert ("there is no ignore_index" in text) == (eager_type is RuntimeError), text

@@ -15,9 +15,11 @@ op's autograd can only save its inputs and outputs: without it the backward woul
 GEMM. The backward is ``tilecompile::fused_linear_logprob_backward``,
 a custom op too, so AOTAutograd and Inductor treat both halves as opaque. Both have fake impls.
 
-Label range: on CPU a label outside [0, V) that is not ignore_index is always a ValueError; on CUDA it is checked
-only with check_inputs=True, which costs one reduction over the labels and a host sync (so it breaks CUDA graph
-capture); unchecked, such a row gets a meaningless logp but no out-of-bounds access.
+Label range: on CPU a label outside [0, V) that is not ignore_index is always an error (``LabelOutOfRange``, a
+ValueError, raised as eager's type: RuntimeError for ``ignore_index=NO_IGNORE`` as gather, IndexError as
+cross_entropy otherwise); on CUDA it is checked only with check_inputs=True, which costs one reduction over the
+labels and a host sync (so it breaks CUDA graph capture); unchecked, such a row gets a meaningless logp but no
+out-of-bounds access.
 """
 
 from __future__ import annotations
@@ -69,14 +71,36 @@ def _check_static(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, t
         raise ValueError(f"h, weight, labels on different devices: {h.device}, {weight.device}, {labels.device}")
 
 
+# ignore_index for labels that have none (a gathered log-prob): no label equals it, so every label outside [0, V) is
+# an error, as eager's gather raises. passes/fused_linear_ce_rewrite.py gives it to a gather's labels.
+NO_IGNORE = -(2**63)
+
+
+class LabelOutOfRange(ValueError):
+    """A label outside [0, V) that is not ignore_index. Raised as the type eager PyTorch raises for the same label
+    (its subclasses), and a ValueError as every other bad argument of these ops."""
+
+
+class GatherIndexOutOfRange(LabelOutOfRange, RuntimeError):
+    """A gathered log-prob's label (the op called with ``NO_IGNORE``): eager's ``gather`` raises RuntimeError."""
+
+
+class TargetOutOfRange(LabelOutOfRange, IndexError):
+    """A cross-entropy / nll_loss target: eager's ``F.cross_entropy`` raises IndexError."""
+
+
 def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """A label outside [0, V) that is not ignore_index is an error (data-dependent: a host sync on CUDA)."""
     bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
     if bool(bad.any()):
-        first = labels[bad][0].item()
-        raise ValueError(
-            f"label {first} out of range [0, {vocab}) and != ignore_index ({ignore_index}); "
-            f"{int(bad.sum())} such label(s)"
+        first, count = labels[bad][0].item(), int(bad.sum())
+        if ignore_index == NO_IGNORE:
+            raise GatherIndexOutOfRange(
+                f"label {first} out of range [0, {vocab}) (log-prob of gathered labels: there is no ignore_index); "
+                f"{count} such label(s)"
+            )
+        raise TargetOutOfRange(
+            f"label {first} out of range [0, {vocab}) and != ignore_index ({ignore_index}); {count} such label(s)"
         )
 
 
@@ -524,7 +548,7 @@ def _fused_linear_logprob_local_stats(
     """Softmax statistics of this rank's vocabulary shard (rows [lo, lo + V_local) of a [vocab, D] lm_head), fp32,
     labels' shape + [4]: (m, log Σe, Σe·(z − m)/Σe, z_y − m), with m the shard's row max and Σe = Σ_j e^(z_j − m)
     over the shard; z_y − m is 0 where the row's label is not in the shard. ``labels`` are global; on CPU one
-    outside [0, vocab) that is not ignore_index is a ValueError (as for ``fused_linear_logprob``)."""
+    outside [0, vocab) that is not ignore_index is a ``LabelOutOfRange`` (as for ``fused_linear_logprob``)."""
     _check_static(h, weight, labels, temperature)
     if not h.is_cuda:
         _check_labels(labels, vocab, ignore_index)
