@@ -32,6 +32,9 @@ checkpoint's body; logits passed into a checkpoint (or any higher-order op) are 
 
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 import torch
 import torch.fx as fx
 from tilecompile.passes import fused_linear_ce_rewrite as RW
@@ -60,17 +63,62 @@ _ADVICE = (
 
 
 def find(gm: fx.GraphModule) -> list[A.Region]:
-    """Every linear whose output reaches a softmax, logsumexp or cross-entropy, with its analysed region."""
+    """Every candidate: a linear from which a softmax, logsumexp or cross-entropy is reachable without another
+    linear (or matmul) in between, with its analysed region. A candidate the algebra does not follow to that op has
+    the reason in ``rejected``."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = []
     for node in gm.graph.nodes:
         lin = G.as_linear(node) or _gathered_linear(node)
         if lin is None or len(G.shape(lin.weight) or ()) != 2 or G.hint(G.shape(lin.weight)[0]) is None:
             continue
+        target = _softmax_reached(lin.node)
+        if target is None:
+            continue  # a plain linear (an MLP's, a projection's): not a candidate
         r = A.Analysis(gm, lin, position).run()
-        if r.softmax_family:
-            regions.append(r)
+        if not r.softmax_family:
+            r.rejected = r.rejected or _not_followed(r, target, position)
+        regions.append(r)
     return regions
+
+
+_SOFTMAX_FAMILY = frozenset({"log_softmax", "softmax", "logsumexp", "cross_entropy", "nll_loss"})
+_MATMULS = frozenset({"matmul", "mm", "bmm", "einsum", "linear", "baddbmm", "addmm"})
+
+
+def _forward(start: fx.Node, stop: Any) -> Any:
+    """Walk the users of ``start`` (not through linears / matmuls, higher-order ops or the output); yields nodes."""
+    seen, todo = {start}, list(start.users)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        if stop(node) or node.op == "output" or isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        if G.as_linear(node) is not None or G.op(node) in _MATMULS or node.target is operator.matmul:
+            continue
+        todo += list(node.users)
+
+
+def _softmax_reached(start: fx.Node) -> fx.Node | None:
+    """The first (in graph order) softmax-family node reachable from ``start``, or None."""
+    reached = [n for n in _forward(start, lambda n: G.op(n) in _SOFTMAX_FAMILY) if G.op(n) in _SOFTMAX_FAMILY]
+    order = {n: i for i, n in enumerate(start.graph.nodes)} if len(reached) > 1 else {}
+    return min(reached, key=lambda n: order.get(n, 0)) if reached else None
+
+
+def _not_followed(r: A.Region, target: fx.Node, position: dict[fx.Node, int]) -> str:
+    """Why a candidate has no region: the first node between the logits and ``target`` the algebra did not read."""
+    inside = set(r.values)
+    outside = {u for n in inside for u in n.users if u not in inside}
+    on_path = [u for u in outside if u is target or any(n is target for n in _forward(u, lambda n: n is target))]
+    first = min(on_path, key=lambda u: position.get(u, 0)) if on_path else target
+    return (
+        f"the logits reach {G.op(target)} {target.name} through {G.op(first) or first.op} {first.name}, which is not "
+        "log-prob / entropy / cross-entropy math the pass reads (a temperature, a view, a slice of rows, ...)"
+    )
 
 
 def _gathered_linear(node: fx.Node) -> G.Linear | None:
@@ -230,14 +278,15 @@ def _run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for r in regions:
         where = G.module_path(r.linear.node)
         candidate = f"linear {r.linear.node.name} -> log-prob/entropy/CE"
+        result.consider(r.linear.node, candidate)
         escapes, reason = check(r)
         reason = reason or unavailable
         if reason is None:
             try:
                 in_body = ctx.graph_name != "<root>"
-                result.rewrites.append(RW.rewrite(gm, r, escapes, ctx.settings, op, tainted, in_body))
+                result.rewrote(r.linear.node, RW.rewrite(gm, r, escapes, ctx.settings, op, tainted, in_body))
                 continue
             except A.Reject as exc:  # RW.rewrite removed what it had inserted (hoisting only moved pure nodes)
                 reason = str(exc)
-        result.skipped.append(R.Skip(NAME, candidate, where, reason))
+        result.skip(r.linear.node, R.Skip(NAME, candidate, where, reason))
     return result

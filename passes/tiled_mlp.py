@@ -100,6 +100,10 @@ def match(node: fx.Node) -> GatedMLP | str | None:
         return None
     a, b = h.args
     if not all(isinstance(t, fx.Node) for t in (a, b)):
+        factor = a if isinstance(a, fx.Node) else b
+        act = G.as_activation(factor) if isinstance(factor, fx.Node) else None
+        if act is not None and as_projection(act.input) is not None:
+            return f"not gated: down({act.kind}(linear(x)) * a constant) has no gate multiply (nothing to tile)"
         return None
     acts = [(G.as_activation(p), q) for p, q in ((a, b), (b, a))]
     if not any(act for act, _ in acts) and not any(as_projection(t) for t in (a, b)):
@@ -383,12 +387,13 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 lambda m: check_min_tokens(m, ctx.settings.mlp_min_tokens),
             )
             reason = next((r for r in (c(m) for c in checks) if r), None)
+        candidate = f"down projection {G.module_path(node) or node.name}"
+        result.consider(node, candidate)
         if reason is not None:
             path = _path(m.region) if isinstance(m, GatedMLP) else _path([node, *node.args[:1]])
-            candidate = f"down projection {G.module_path(node) or node.name}"
-            result.skipped.append(R.Skip(NAME, candidate, path, reason))
+            result.skip(node, R.Skip(NAME, candidate, path, reason))
             continue
-        result.rewrites.append(rewrite(gm, m, ctx))
+        result.rewrote(node, rewrite(gm, m, ctx))
         order.update({n: order[m.down.node] for n in gm.graph.nodes if n not in order})
         changed = True
     if changed:

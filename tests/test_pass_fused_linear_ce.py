@@ -794,19 +794,19 @@ def labels_of_other_rows(m, h, y):
     return torch.cat([lp_of(z[:, :3], y[:, 1:4]), lp_of(z[:, 3:], y[:, 3:])], dim=1)
 
 
-@pytest.mark.parametrize(
-    ("spelling", "reason"),
-    [
-        (gap, "leaves rows 3:4"),
-        (out_of_order, "only the rows in their own order"),
-        (overlapping_writes, "rows 6:8 of"),
-        (rows_left_unwritten, "leaves rows 8:21"),
-        (read_before_written, "before setitem_1 writes into it"),
-        (foreign_write, "written with values not computed from these logits"),
-        (labels_of_other_rows, "labels of a part"),
-        (rounding_buffer, "which rounds them"),
-    ],
-)
+NOT_A_PARTITION = [
+    (gap, "leaves rows 3:4"),
+    (out_of_order, "only the rows in their own order"),
+    (overlapping_writes, "rows 6:8 of"),
+    (rows_left_unwritten, "leaves rows 8:21"),
+    (read_before_written, "before setitem_1 writes into it"),
+    (foreign_write, "written with values not computed from these logits"),
+    (labels_of_other_rows, "labels of a part"),
+    (rounding_buffer, "which rounds them"),
+]
+
+
+@pytest.mark.parametrize(("spelling", "reason"), NOT_A_PARTITION)
 def test_row_parts_that_are_not_a_partition_are_left_alone(spelling, reason):
     rep = compile_and_compare(spelling, rewrites=0)
     reasons = [s.reason for s in rep.skipped if s.pass_name == "fused_linear_ce"]
@@ -872,22 +872,22 @@ def softmax_of_other_dim(m, h, y):
     return lp_of(z, y), F.softmax(z, dim=0).sum()
 
 
-@pytest.mark.parametrize(
-    ("spelling", "extra", "reason"),
-    [
-        (returns_logits, (), "returned from the graph"),
-        (uses_argmax, (), "argmax"),
-        (samples, (), "multinomial"),
-        (computed_weight, (), "not a graph input"),
-        (with_bias, (), "bias"),
-        (soft_targets, (torch.softmax(torch.randn(21, V), -1),), "floating-point targets"),
-        (class_weights, (torch.rand(V),), "class weights"),
-        (label_smoothing, (), "label_smoothing"),
-        (z_loss, (), "logsumexp(logits) on its own"),
-        (vector_temperature, (torch.rand(V) + 0.5,), "0-dim"),
-        (softmax_of_other_dim, (), "softmax"),
-    ],
-)
+NON_MATCHES = [
+    (returns_logits, (), "returned from the graph"),
+    (uses_argmax, (), "argmax"),
+    (samples, (), "multinomial"),
+    (computed_weight, (), "not a graph input"),
+    (with_bias, (), "bias"),
+    (soft_targets, (torch.softmax(torch.randn(21, V), -1),), "floating-point targets"),
+    (class_weights, (torch.rand(V),), "class weights"),
+    (label_smoothing, (), "label_smoothing"),
+    (z_loss, (), "logsumexp(logits) on its own"),
+    (vector_temperature, (torch.rand(V) + 0.5,), "0-dim"),
+    (softmax_of_other_dim, (), "softmax"),
+]
+
+
+@pytest.mark.parametrize(("spelling", "extra", "reason"), NON_MATCHES)
 def test_non_match_is_skipped_with_reason(spelling, extra, reason):
     rep = compile_and_compare(spelling, extra=extra, rewrites=0, bias=spelling is with_bias)
     reasons = [s.reason for s in rep.skipped if s.pass_name == "fused_linear_ce"]
@@ -1089,6 +1089,7 @@ def test_eliminate_dead_code_keeps_in_place_calls():
     x = torch.randn(4)
     assert_close(gm(x), f(x), rtol=0, atol=0)
     assert G.is_inplace(next(n for n in gm.graph.nodes if n.target == "div_"))
+
 
 # ------------------------------------------------------------------------------------ recompiles and dynamic=True
 

@@ -3,7 +3,8 @@
 A pass is a module in ``tilecompile.passes`` with ``NAME`` and ``run(gm, ctx) -> PassResult``. After each pass
 the pipeline lints every graph it may have touched and re-propagates fake tensors through every node the pass
 marked with ``expect(node, value)``, checking shape and dtype against what the replaced nodes produced. A pass
-that raises or fails a check is undone for this graph and a warning names it (``strict`` raises instead).
+that raises or fails a check is undone for this graph and a warning names it (``strict`` raises instead). Every
+candidate a pass looked at (``PassResult.consider``) must end in a rewrite or a skip with its reason.
 """
 
 from __future__ import annotations
@@ -43,10 +44,31 @@ class PassContext:
 class PassResult:
     rewrites: list[R.Rewrite] = dataclasses.field(default_factory=list)
     skipped: list[R.Skip] = dataclasses.field(default_factory=list)
+    # the candidates a pass looked at (``consider``) and those it decided, by a rewrite or a skip with its reason:
+    # the pipeline checks that none was dropped without a reason (strict: PassFailed)
+    looked_at: dict[Any, str] = dataclasses.field(default_factory=dict)
+    decided: set[Any] = dataclasses.field(default_factory=set)
+
+    def consider(self, key: Any, candidate: str) -> None:
+        """``key`` (e.g. the candidate's anchor node) must end in ``rewrote`` or ``skip`` before the pass returns."""
+        self.looked_at[key] = candidate
+
+    def rewrote(self, key: Any, rewrite: R.Rewrite) -> None:
+        self.rewrites.append(rewrite)
+        self.decided.add(key)
+
+    def skip(self, key: Any, skip: R.Skip) -> None:
+        self.skipped.append(skip)
+        self.decided.add(key)
+
+    def undecided(self) -> list[str]:
+        return [what for key, what in self.looked_at.items() if key not in self.decided]
 
     def extend(self, other: PassResult) -> None:
         self.rewrites += other.rewrites
         self.skipped += other.skipped
+        self.looked_at.update(other.looked_at)
+        self.decided |= other.decided
 
 
 def expect(node: fx.Node, value: Any) -> None:
@@ -81,6 +103,10 @@ def _run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str) -> fx.G
             module = load_pass(name)
             for sub_name, sub in G.graph_modules(gm):
                 result.extend(module.run(sub, PassContext(settings, sub_name)))
+            for what in result.undecided():  # a candidate dropped without a reason: a bug of the pass
+                if settings.strict:
+                    raise PassFailed(f"{what} was looked at and dropped without a reason")
+                result.skipped.append(R.Skip(name, what, "", "dropped without a reason (a bug in the pass)"))
             for _, sub in G.graph_modules(gm):
                 sub.graph.lint()
                 check_rewritten_nodes(sub)
