@@ -11,11 +11,11 @@ import pytest
 import test_pass_fused_linear_ce as CE
 import test_pass_tiled_mlp as MLP
 import torch
+from tilecompile.passes import fused_linear_ce, tiled_mlp
 
 import tilecompile
 from tilecompile import config, pipeline
 from tilecompile import reporting as R
-from tilecompile.passes import fused_linear_ce, tiled_mlp
 
 
 @pytest.fixture(autouse=True)
