@@ -859,10 +859,12 @@ class AttnInputs:
 
     dim: int  # model width
     scale: float  # weights ~ N(0, scale² / fan_in)
-    pad: str = "left"  # "left", "right", "holes", "none", "all" (a row wholly padded), "mixed"
+    pad: str = "left"  # "left", "right", "both" (TRL), "holes", "none", "all" (a row wholly padded), "mixed",
+    # "all_but_one" (every row but the first wholly padded)
     doc_rate: float = 0.2  # chance a token starts a new document
     doc_reuse: bool = False  # document ids come back (mod 2): non-contiguous documents
     tok_dtype: str = "int64"
+    flash: bool = False  # route the op's CUDA path (packed flash varlen) through the CPU emulation
 
 
 def attn_make_inputs(spec: AttnSpec, ai: AttnInputs):
@@ -874,9 +876,14 @@ def attn_make_inputs(spec: AttnSpec, ai: AttnInputs):
             pad = torch.ones(b, n, dtype=torch.bool)
             for row in range(b):
                 kind = ai.pad if ai.pad != "mixed" else ("left", "right", "none", "all")[row % 4]
+                if ai.pad == "all_but_one":
+                    kind = "none" if row == 0 else "all"
                 cut = int(torch.randint(0, n + 1, (), generator=gen))
                 if kind == "left":
                     pad[row, :cut] = False
+                elif kind == "both":
+                    pad[row, : cut // 2] = False
+                    pad[row, n - int(torch.randint(0, n - cut // 2 + 1, (), generator=gen)) :] = False
                 elif kind == "right":
                     pad[row, n - cut :] = False
                 elif kind == "holes":

@@ -762,10 +762,11 @@ def attn_cases(draw, *, near_miss: str | None = None):
     ai = AttnInputs(
         dim=draw(dims(24)),
         scale=draw(st.sampled_from([0.5, 1.0, 2.0])),
-        pad=draw(st.sampled_from(["left", "right", "holes", "none", "all", "mixed"])),
+        pad=draw(st.sampled_from(["left", "right", "holes", "none", "all", "mixed", "both", "all_but_one"])),
         doc_rate=draw(st.sampled_from([0.0, 0.05, 0.2, 0.5, 1.0])),
         doc_reuse=draw(st.integers(0, 4)) == 0,
         tok_dtype=draw(st.sampled_from(["int64", "int64", "int32"])),
+        flash=draw(st.booleans()),
     )
     return spec, ai, dtype, Layout((b, n), extra, dynamic), draw(st.integers(0, 2**16))
 
@@ -777,6 +778,8 @@ def attn_events(spec: AttnSpec, ai: AttnInputs, dtype: torch.dtype, layout: Layo
     event("dtype", str(dtype).removeprefix("torch."))
     event("heads", "MHA" if spec.heads == spec.kv_heads else f"GQA {spec.heads // spec.kv_heads}:1")
     event("calls", f"{len(layout.shapes())} (dynamic={layout.dynamic})")
+    event("padding", ai.pad if "pad" in spec.inputs else "no padding input")
+    event("op path", "CUDA packed flash, emulated" if ai.flash else "chunked")
 
 
 def attention_probe(seed: int, dtype: torch.dtype):
@@ -809,6 +812,26 @@ def attention_probe(seed: int, dtype: torch.dtype):
     return probe
 
 
+@contextlib.contextmanager
+def emulated_flash(on: bool):
+    """The op's CUDA path (tokens packed by the plan, flash varlen) on CPU tensors, through the float64 emulation of
+    the varlen kernels in tests/test_attention_packed.py."""
+    if not on:
+        yield
+        return
+    from unittest import mock
+
+    from test_attention_packed import emulated_flash_bwd, emulated_flash_fwd
+    from tilecompile.kernels import attention as K
+
+    with (
+        mock.patch.object(K, "flash_fwd", emulated_flash_fwd),
+        mock.patch.object(K, "flash_bwd", emulated_flash_bwd),
+        mock.patch.object(K, "flash_supported", lambda q, k, v: True),
+    ):
+        yield
+
+
 def attn_execute(spec: AttnSpec, ai: AttnInputs, dtype: torch.dtype, layout: Layout, seed: int) -> None:
     """Outputs and grads (x, every parameter) as eager's; one rewrite per layer and graph for a claimed mask, none
     and a reason for a near-miss. Fully masked query rows (padding) are 0 with zero grads in both."""
@@ -825,7 +848,8 @@ def attn_execute(spec: AttnSpec, ai: AttnInputs, dtype: torch.dtype, layout: Lay
         reseed=spec.near_miss == "dropout",
         probe=attention_probe(seed, dtype),
     )
-    rep = execute(run)
+    with emulated_flash(ai.flash):
+        rep = execute(run)
     skipped = [s.reason for s in rep.skipped if s.pass_name == "attention"]
     if spec.near_miss:
         piece = ATTN_NEAR_MISSES[spec.near_miss]
