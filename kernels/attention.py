@@ -28,6 +28,8 @@ Two implementations of the same math:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 # Bytes of fp32 scores one query block of the chunked path may hold (scores and probabilities: about 3x this).
@@ -265,6 +267,7 @@ def packed(plan: list[torch.Tensor] | tuple[torch.Tensor, ...], b: int, n: int) 
         "region": region,
         "t1": t1,
         "t2": t2,
+        "rows": bool(identity) and s == b and t1 == b * n and max1 == n,  # each row one whole segment
         "cu1": cu1[: s + 1],
         "cu2": cu2[: s + 1] if t2 else None,
         "max1": max(1, max1),
@@ -311,6 +314,54 @@ def flash_bwd(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, righ
     )  # fmt: skip
 
 
+# Whether the non-varlen flash kernel has worked here (False after it raised once: the varlen one serves instead).
+_DENSE_OK = [True]
+
+
+def flash_dense_fwd(q4, k4, v4, causal, left, right, scale):
+    """Flash forward over whole rows, [B, N, heads, D] views: (out [B, N, H, D], lse [B, H, N] fp32): the kernel
+    SDPA's ``is_causal`` path runs. Why not the varlen kernel with one segment a row: on the H200 that measured
+    18.3 ms fwd+bwd at 2 x 16k (bench_attention --padded), against 5.41 ms at 1 x 16k for SDPA's is_causal
+    (RESULTS.md, an earlier run): about 1.7x a row, and the all-ones 16k step ran 23.3k tokens/s against 30.3k with no
+    mask. This path itself is not measured yet."""
+    b, n, h, _ = q4.shape
+    res = torch.ops.aten._flash_attention_forward(
+        q4, k4, v4, None, None, n, n, 0.0, causal, False, scale=scale, window_size_left=left, window_size_right=right
+    )
+    if tuple(res[1].shape) != (b, h, n):  # a kernel that lays lse out otherwise: the varlen one serves
+        raise RuntimeError(f"whole-row flash returned lse of shape {tuple(res[1].shape)}, expected {(b, h, n)}")
+    return res[0], res[1]
+
+
+def flash_dense_bwd(g4, q4, k4, v4, out4, lse, causal, left, right, scale):
+    n = q4.shape[1]
+    unused = torch.zeros((), dtype=torch.int64, device=q4.device)
+    return torch.ops.aten._flash_attention_backward(
+        g4, q4, k4, v4, out4, lse, None, None, n, n, 0.0, causal, unused, unused,
+        scale=scale, window_size_left=left, window_size_right=right,
+    )  # fmt: skip
+
+
+def _rows4(t: torch.Tensor) -> torch.Tensor:
+    """[B, heads, N, D] -> the [B, N, heads, D] view flash takes (a copy only if D is not the innermost stride)."""
+    t4 = t.transpose(1, 2)
+    return t4 if t4.stride(-1) == 1 else t4.contiguous()
+
+
+def _dense(fn, *args):
+    """``fn(*args)`` through the whole-row kernel, or None (after a warning, once) where it raises."""
+    if not _DENSE_OK[0]:
+        return None
+    try:
+        return fn(*args)
+    except RuntimeError as exc:
+        _DENSE_OK[0] = False
+        warnings.warn(
+            f"tilecompile: flash over whole rows failed ({exc}); the varlen kernel serves instead", stacklevel=3
+        )
+        return None
+
+
 def packed_fwd(q, k, v, pk: dict, lo, hi, scale):
     """(out [B, H, N, D] token-major, lse [B, H, N] fp32: +inf on a row with no allowed key, whose output is 0).
 
@@ -319,8 +370,12 @@ def packed_fwd(q, k, v, pk: dict, lo, hi, scale):
     b, h, n, _ = q.shape
     t1, t = pk["t1"], b * n
     order = pk["order"]
-    qf, kf, vf = (_pack(x, order) for x in (q, k, v))
     left, right = _windows(lo, hi)
+    if pk["rows"]:  # every row one whole segment (an all-ones padding mask): the whole-row kernel
+        res = _dense(flash_dense_fwd, _rows4(q), _rows4(k), _rows4(v), lo == 0, left, right, scale)
+        if res is not None:
+            return res[0].transpose(1, 2), res[1].contiguous()
+    qf, kf, vf = (_pack(x, order) for x in (q, k, v))
     out, lse = flash_fwd(qf, kf, vf, pk["cu1"], pk["cu1"], pk["max1"], pk["max1"], lo == 0, left, right, scale)
     if tuple(lse.shape) != (h, t):
         raise RuntimeError(f"flash varlen returned lse of shape {tuple(lse.shape)}, expected {(h, t)}")
@@ -341,10 +396,15 @@ def packed_bwd(grad_out, q, k, v, out, lse, pk: dict, lo, hi, scale):
     b, h, n, _ = q.shape
     t1, t2 = pk["t1"], pk["t2"] if pk["cu2"] is not None else 0
     order = pk["order"]
+    left, right = _windows(lo, hi)
+    if pk["rows"]:
+        rows = (_rows4(x) for x in (grad_out, q, k, v, out))
+        res = _dense(flash_dense_bwd, *rows, lse.contiguous(), lo == 0, left, right, scale)
+        if res is not None:
+            return tuple(x.transpose(1, 2) for x in res)
     qf, kf, vf, of, gf = (_pack(x, order) for x in (q, k, v, out, grad_out))
     lse_f = lse.transpose(0, 1).reshape(h, b * n)
     lse_f = lse_f.contiguous() if order is None else lse_f.index_select(1, order)
-    left, right = _windows(lo, hi)
     args = (pk["cu1"], pk["cu1"], pk["max1"], pk["max1"], lo == 0, left, right)
     dq, dk, dv = flash_bwd(gf, qf, kf, vf, of, lse_f, *args, scale=scale)
     if t2:

@@ -95,12 +95,42 @@ def emulated_flash_bwd(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, l
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _row_offsets(b: int, n: int) -> torch.Tensor:
+    return torch.arange(0, b * n + 1, n)
+
+
+def emulated_dense_fwd(q4, k4, v4, causal, left, right, scale):
+    """The whole-row kernel ([B, N, heads, D] views) as the varlen emulation over one segment a row."""
+    b, n = q4.shape[:2]
+    cu = _row_offsets(b, n)
+    flat = [t.reshape(b * n, *t.shape[2:]) for t in (q4, k4, v4)]
+    out, lse = emulated_flash_fwd(*flat, cu, cu, n, n, causal, left, right, scale)
+    return out.view(q4.shape[0], n, *out.shape[1:]), lse.view(-1, b, n).transpose(0, 1).contiguous()
+
+
+def emulated_dense_bwd(g4, q4, k4, v4, out4, lse, causal, left, right, scale):
+    b, n = q4.shape[:2]
+    cu = _row_offsets(b, n)
+    flat = [t.reshape(b * n, *t.shape[2:]) for t in (g4, q4, k4, v4, out4)]
+    lse_f = lse.transpose(0, 1).reshape(lse.shape[1], b * n)
+    grads = emulated_flash_bwd(*flat, lse_f, cu, cu, n, n, causal, left, right, scale)
+    return tuple(x.view(b, n, *x.shape[1:]) for x in grads)
+
+
+EMULATED = {
+    "flash_fwd": emulated_flash_fwd,
+    "flash_bwd": emulated_flash_bwd,
+    "flash_dense_fwd": emulated_dense_fwd,
+    "flash_dense_bwd": emulated_dense_bwd,
+    "flash_supported": lambda q, k, v: True,
+}
+
+
 @pytest.fixture
 def emulated_flash(monkeypatch):
     """Route the op's CUDA flash path through the CPU emulation, for fp32 / fp64 CPU tensors."""
-    monkeypatch.setattr(K, "flash_fwd", emulated_flash_fwd)
-    monkeypatch.setattr(K, "flash_bwd", emulated_flash_bwd)
-    monkeypatch.setattr(K, "flash_supported", lambda q, k, v: True)
+    for name, fn in EMULATED.items():
+        monkeypatch.setattr(K, name, fn)
 
 
 def _rows(lengths, n, side):
@@ -116,7 +146,9 @@ N = 29
 
 # (name, pos, doc, valid, lo, hi, exact): exact = the plan is expected to take the flash path
 CASES = [
-    ("all-ones", None, None, torch.ones(3, N, dtype=torch.long), 0, None, True),
+    ("all-ones", None, None, torch.ones(3, N, dtype=torch.long), 0, None, True),  # the whole-row kernel
+    ("all-ones + window", None, None, torch.ones(2, N, dtype=torch.long), 0, 5, True),
+    ("one document a row", None, torch.tensor([[3] * N, [5] * N]), None, None, None, True),
     ("left", None, None, _rows([29, 20, 5], N, "left"), 0, None, True),
     ("right", None, None, _rows([29, 20, 1], N, "right"), 0, None, True),
     ("both (TRL)", None, None, _rows([10, 20, 3], N, [4, 0, 13]), 0, None, True),
@@ -243,3 +275,26 @@ def test_cuda_flash_path_matches_float64(case):
         assert torch.equal(torch.isinf(lse), empty), name
         assert (out[empty[..., None].expand_as(out)] == 0).all(), name
     assert flash == (2 if exact else 0), (name, flash)
+
+
+def test_whole_rows_take_the_whole_row_kernel(emulated_flash, monkeypatch):
+    """An all-ones mask (every row one segment) runs the kernel SDPA's is_causal runs, not the varlen one; where that
+    kernel raises, the varlen one serves (once warned) and the result is the same."""
+    calls = []
+    monkeypatch.setattr(K, "flash_fwd", lambda *a, **k: calls.append("varlen") or emulated_flash_fwd(*a, **k))
+    monkeypatch.setattr(K, "flash_dense_fwd", lambda *a, **k: calls.append("rows") or emulated_dense_fwd(*a, **k))
+    valid = torch.ones(2, 17, dtype=torch.long)
+    q = torch.randn(2, 4, 17, 8, dtype=torch.float64)
+    plan = OA.attention_plan(None, None, valid, 0, None)
+    ref = K.reference(q, q[:, :2], q[:, :2], None, None, valid, 0, None, 0.3)
+    out, _ = torch.ops.tilecompile.masked_attention(q, q[:, :2], q[:, :2], None, None, valid, 0, None, 0.3, plan)
+    assert calls == ["rows"] and torch.allclose(out, ref)
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel image")
+
+    monkeypatch.setattr(K, "flash_dense_fwd", broken)
+    monkeypatch.setattr(K, "_DENSE_OK", [True])
+    with pytest.warns(UserWarning, match="varlen kernel serves instead"):
+        out, _ = torch.ops.tilecompile.masked_attention(q, q[:, :2], q[:, :2], None, None, valid, 0, None, 0.3, plan)
+    assert calls == ["rows", "varlen"] and torch.allclose(out, ref)
