@@ -229,18 +229,19 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             continue  # a body's mask comes from its parent graph, which reads it there
         seq = (G.shape(mask) or (None,))[-1]  # checked against q and k at each use
         candidate = f"mask {mask.name}"
+        result.consider(mask, candidate)
         path = G.module_path(direct[0]) if direct else ""
         try:
             spec = AM.analyze(mask, seq) if seq is not None else None
         except AM.NotIndexArithmetic as exc:
-            result.skipped.append(R.Skip(NAME, candidate, path, f"the mask is not index arithmetic: {exc}"))
+            result.skip(mask, R.Skip(NAME, candidate, path, f"the mask is not index arithmetic: {exc}"))
             continue
         if spec is None:
-            result.skipped.append(R.Skip(NAME, candidate, path, "sequence length unknown"))
+            result.skip(mask, R.Skip(NAME, candidate, path, "sequence length unknown"))
             continue
         reason = check_uses(gm, mask)
         if reason:
-            result.skipped.append(R.Skip(NAME, candidate, path, reason))
+            result.skip(mask, R.Skip(NAME, candidate, path, reason))
             continue
         tokens = {}
         first_user = min(mask.users, key=_order(gm))
@@ -250,7 +251,10 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 tokens[key] = _token_input(gm, node, first_user)
         if tokens and not (spec.is_causal or spec.is_full):
             tokens |= _plan(gm, spec, tokens, first_user)
-        rewrite_uses(gm, mask, spec, tokens, result.rewrites)
+        rewritten: list[R.Rewrite] = []
+        rewrite_uses(gm, mask, spec, tokens, rewritten)
+        for r in rewritten:
+            result.rewrote(mask, r)
     if result.rewrites:
         G.eliminate_dead_code(gm.graph)
     return result
