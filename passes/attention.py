@@ -249,6 +249,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             node = getattr(spec, key)
             if node is not None:
                 tokens[key] = _token_input(gm, node, first_user)
+        if spec.valid_test is not None:  # pad != 0, pad == 1, ...: the boolean the mask reads, made once
+            tokens["valid"] = _tested(gm, tokens["valid"], spec.valid_test, first_user)
         if tokens and not (spec.is_causal or spec.is_full):
             tokens |= _plan(gm, spec, tokens, first_user)
         rewritten: list[R.Rewrite] = []
@@ -261,6 +263,16 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 PLAN_SIZE = 6  # the tensors of tilecompile::attention_plan
+
+_TESTS = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}
+
+
+def _tested(gm: fx.GraphModule, node: fx.Node, test: tuple[str, int], before: fx.Node) -> fx.Node:
+    op, k = test
+    with gm.graph.inserting_before(before):
+        new = gm.graph.call_function(_TESTS[op], (node, k))
+    new.meta["example_value"] = _TESTS[op](G.example_value(node), k)
+    return new
 
 
 def _plan(gm: fx.GraphModule, spec: AM.MaskSpec, tokens: dict[str, fx.Node], before: fx.Node) -> dict[str, fx.Node]:

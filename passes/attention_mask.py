@@ -101,6 +101,9 @@ class MaskSpec:
     pos: fx.Node | None = None
     doc: fx.Node | None = None
     valid: fx.Node | None = None
+    valid_test: tuple[str, int] | None = (
+        None  # valid_kv is ``valid (op) k`` (``pad != 0``, ``pad == 1``), not its truth
+    )
 
     @property
     def is_causal(self) -> bool:
@@ -120,7 +123,8 @@ class MaskSpec:
         if self.doc is not None:
             parts.append(f"same {self.doc.name}")
         if self.valid is not None:
-            parts.append(f"key valid in {self.valid.name}")
+            test = f" {self.valid_test[0]} {self.valid_test[1]}" if self.valid_test else ""
+            parts.append(f"key valid in {self.valid.name}{test}")
         return " and ".join(parts) or "all allowed"
 
 
@@ -646,11 +650,24 @@ def analyze(mask: fx.Node, seq: Any) -> MaskSpec:
     lo, hi = spec.get("lo"), spec.get("hi")
     if lo is not None and hi is not None and lo > hi:
         raise NotIndexArithmetic("the mask allows no key at all")
-    return MaskSpec(lo, hi, spec.get("pos"), spec.get("doc"), spec.get("valid"))
+    return MaskSpec(lo, hi, spec.get("pos"), spec.get("doc"), spec.get("valid"), spec.get("valid_test"))
 
 
 def _additive(interp: Interpreter, mask: fx.Node) -> Bool:
-    """A float mask that is 0 where allowed and -inf elsewhere: ``where(cond, 0, -inf)`` (or the reverse)."""
+    """A float mask that is 0 where allowed and -inf elsewhere: ``where(cond, 0, -inf)`` (or the reverse), or
+    ``base.masked_fill(cond, -inf)`` of such a mask or of zeros. (``finfo.min`` is not -inf: a row with no allowed
+    key then attends every key uniformly, so it is not read as a mask.)"""
+    if G.op(mask) == "masked_fill":
+        base, cond, fill = G.arg(mask, 0, "input"), G.arg(mask, 1, "mask"), G.arg(mask, 2, "value")
+        if fill != -math.inf:
+            raise NotIndexArithmetic(f"float mask {mask.name} fills {fill!r}, not -inf")
+        if isinstance(base, fx.Node) and G.op(base) in ("where", "masked_fill"):
+            allowed = _additive(interp, base)
+        elif isinstance(base, fx.Node) and interp.value(base) == Num.of({}, 0):
+            allowed = Bool.const(True)
+        else:
+            raise NotIndexArithmetic(f"float mask {mask.name} fills -inf into {getattr(base, 'name', base)}, not zeros")
+        return _and(allowed, _not(interp._bool(cond)))
     if G.op(mask) != "where":
         raise NotIndexArithmetic(f"float mask {mask.name} is not where(cond, 0, -inf)")
     a, b = G.arg(mask, 1, "input"), G.arg(mask, 2, "other")
@@ -670,6 +687,8 @@ def _read_atom(atom: Bool, spec: dict, q_axis: int, kv_axis: int, b_axis: int | 
     if atom.kind == "truth":
         (b,) = atom.args
         if isinstance(b, Tok) and b.axis == kv_axis and b.batch_axis in (b_axis, None):
+            if "valid_test" in spec and spec.get("valid") is b.node:
+                raise NotIndexArithmetic(f"{b.node.name} read as padding in two ways")
             _put(spec, "valid", b.node)
             return
         raise NotIndexArithmetic(f"a boolean per-token tensor read along axis {b.axis}, not the key axis")
@@ -679,6 +698,18 @@ def _read_atom(atom: Bool, spec: dict, q_axis: int, kv_axis: int, b_axis: int | 
     d = a.add(b, -1)  # d (op) 0
     terms = dict(d.terms)
     coords = _coordinate(terms, q_axis, kv_axis, b_axis)
+    if coords is None and len(terms) == 1:  # one per-token tensor on the key axis against a constant: padding
+        ((base, coef),) = terms.items()
+        if isinstance(base, Tok) and base.axis == kv_axis and base.batch_axis in (b_axis, None) and abs(coef) == 1:
+            # coef * T + k (op) 0  <=>  T (op') -coef * k
+            flip = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+            test = (op if coef == 1 else flip[op], -coef * d.const)
+            old = spec.get("valid_test", test)
+            if old != test or (spec.get("valid") is not None and "valid_test" not in spec):
+                raise NotIndexArithmetic(f"{base.node.name} read as padding in two ways")
+            _put(spec, "valid", base.node)
+            spec["valid_test"] = test
+            return
     if coords is None:
         raise NotIndexArithmetic(f"a comparison of {_describe_terms(terms)}")
     kind, node, sign = coords  # d = sign * (c_q - c_kv) + const

@@ -229,20 +229,40 @@ def _doc_mask(x, doc):
     )
 
 
+def _pad_ne_0(x, pad):
+    return _broadcast_causal(x)[None, None] & (pad != 0)[:, None, None, :]
+
+
+def _pad_eq_1(x, pad):  # pad holds 0, 1 and 2 here: only the 1s are keys
+    return _broadcast_causal(x)[None, None] & (pad == 1)[:, None, None, :]
+
+
+def _masked_fill(x, pad):
+    allowed = _broadcast_causal(x)[None, None] & pad.bool()[:, None, None, :]
+    return torch.zeros(pad.shape[0], 1, x.shape[1], x.shape[1]).masked_fill(~allowed, float("-inf"))
+
+
+_TOKEN_BUILDS = (_doc_mask, _pad_ne_0, _pad_eq_1, _masked_fill)
+
+
 @pytest.mark.parametrize(
     "build,expected",
-    [(_broadcast_causal, "is_causal=True"), (_float_window, "0 <= Δindex <= 3"), (_doc_mask, "same")],
-    ids=["broadcast-causal", "float-window", "documents-not-causal-spelled"],
-)
+    [(_broadcast_causal, "is_causal=True"), (_float_window, "0 <= Δindex <= 3"), (_doc_mask, "same"),
+     (_pad_ne_0, "key valid in l_doc_ ne 0"), (_pad_eq_1, "key valid in l_doc_ eq 1"),
+     (_masked_fill, "key valid in l_doc_")],
+    ids=["broadcast-causal", "float-window", "documents-not-causal-spelled", "pad-ne-0", "pad-eq-1", "masked-fill"],
+)  # fmt: skip
 def test_hand_written_masks(build, expected):
     torch.manual_seed(0)
     model = Attn()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 19, 32, requires_grad=True)
     doc = torch.tensor([[0] * 5 + [1] * 14, [0] * 12 + [1] * 7])
+    if build is _pad_eq_1:
+        doc[0, 9:12] = 2
 
     def fn(m, x, doc):
-        mask = build(x, doc) if build is _doc_mask else build(x)
+        mask = build(x, doc) if build in _TOKEN_BUILDS else build(x)
         return m(x, mask)
 
     compiled = torch.compile(fn, backend="tilecompile", options=compile_options())
@@ -265,8 +285,12 @@ def test_hand_written_masks(build, expected):
         (lambda x: torch.rand(x.shape[1], x.shape[1]) > 0.5, "not index arithmetic"),
         (lambda x: (lambda i: (i[:, None] >= i[None, :]) | (i[None, :] == 0))(torch.arange(x.shape[1])), "or"),
         (lambda x: (lambda i: i[:, None] >= i[None, :] + 1)(torch.arange(x.shape[1])), None),
+        (
+            lambda x: torch.zeros(x.shape[1], x.shape[1]).masked_fill(~_broadcast_causal(x), torch.finfo(x.dtype).min),
+            "not -inf",
+        ),  # a row with no key would attend uniformly: not a boolean mask's semantics
     ],
-    ids=["random", "disjunction", "strictly-causal"],
+    ids=["random", "disjunction", "strictly-causal", "finfo-min-fill"],
 )
 def test_masks_left_alone_or_exact(build, reason):
     """A mask that is not index arithmetic, or a disjunction, is left alone with a reason; the output equals eager
