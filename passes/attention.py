@@ -178,6 +178,11 @@ def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: 
             scale = 1.0 / math.sqrt(G.hint(qs[-1]))
         elif isinstance(scale, fx.Node):  # a symbolic float under dynamic=True: specialised, under a guard
             scale = float(G.example_value(scale))
+        # Under autocast SDPA computes in the autocast dtype whatever q, k, v are (RoPE's fp32 cos / sin make q and k
+        # fp32 beside a bf16 v); the op does not autocast, so it gets the casts autocast would make.
+        want = G.example_value(node).dtype
+        with graph.inserting_before(node):
+            q, k, v = (_cast(graph, t, want) for t in (q, k, v))
         plan = [tokens[f"plan{i}"] for i in range(PLAN_SIZE)] if "plan0" in tokens else []
         args = (
             q,
@@ -263,6 +268,15 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 PLAN_SIZE = 6  # the tensors of tilecompile::attention_plan
+
+
+def _cast(graph: fx.Graph, t: fx.Node, dtype: torch.dtype) -> fx.Node:
+    if G.dtype(t) == dtype:
+        return t
+    new = graph.call_method("to", (t, dtype))
+    new.meta["example_value"] = G.example_value(t).to(dtype)
+    return new
+
 
 _TESTS = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}
 
