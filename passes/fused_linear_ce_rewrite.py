@@ -274,7 +274,7 @@ def _rewrite_region(
         want = G.example_value(node)
         if not A.same_shape(G.shape(value), tuple(want.shape)):  # a row value of a reshaped view of the base
             shape = [s if G.static_size(s) is None else G.static_size(s) for s in want.shape]  # pinned: as ints
-            value = b.call("reshape", value, shape, method=True)
+            value = b.call("reshape", value, _traceable(shape), method=True)
         if node in no_grad and (modes[anchor] is not False or switch):
             value = b.call("detach", value, method=True)
         if G.dtype(value) != want.dtype:
@@ -463,6 +463,16 @@ def _grad_modes(graph: fx.Graph) -> dict[fx.Node, bool | None]:
             mode = bool(node.args[0])
         modes[node] = mode
     return modes
+
+
+def _traceable(shape: list) -> list:
+    """``shape`` with a symbolic size that is an expression, not one of the graph's symbols (``(s0**2)//s0`` when
+    duck sizing gave two dims one symbol), as -1: a size argument must be a graph input or an int to be traced."""
+    exprs = [i for i, s in enumerate(shape) if isinstance(s, torch.SymInt) and not s.node.expr.is_Symbol]
+    if len(exprs) == 1:
+        shape = list(shape)
+        shape[exprs[0]] = -1
+    return shape
 
 
 def _row_value(b: Builder, v: A.Row, out: dict[Any, Any]) -> fx.Node:

@@ -479,6 +479,17 @@ def test_ce_spellings_match_eager(case):
     execute(ce_run(spec, ci, dtype, layout, no_grad, seed))
 
 
+def test_ce_duck_sized_dynamic_rows_example():
+    """Found by the long profile (``AXicc2RmcGR1ZHRkcGRggBDMQMgAFgGLYkIAnngGKg==``): h [3, 3, D] under dynamic=True
+    gives both lead dims one symbol s, and the entropy's [s, s] shape reads back as [s, (s**2)//s]: the rewrite put
+    that expression, which no graph input carries, into a reshape, and AOTAutograd failed to trace it."""
+    spec = CESpec(head="entropy_lse", linear="module", temperature="div", t=0.3, cast_float=False, shift=False,
+                  ignore_index=-100, autocast=False, chunk=1)  # fmt: skip
+    ci = CEInputs(vocab=2, dim=1, ignore_density=0.0, scale=0.3, h_grad=False, w_frozen=True, vocab_chunk=0,
+                  bad_rows=(), bad_value=float("nan"))  # fmt: skip
+    execute(ce_run(spec, ci, torch.bfloat16, Layout(lead=(3, 3), extra_lengths=(1,), dynamic=True), True, 0))
+
+
 @examples(ci=20, long=800)
 @given(case=ce_cases(near_miss=True))
 def test_ce_near_misses_are_left_alone(case):
