@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from tilecompile.passes import attention_mask as AM
 
-import tilecompile.ops.attention  # noqa: F401 - registers torch.ops.tilecompile.masked_attention
+import tilecompile.ops.attention as OA  # registers torch.ops.tilecompile.masked_attention
 from tilecompile import graph as G
 from tilecompile import reporting as R
 from tilecompile.pipeline import PassContext, PassResult, expect
@@ -267,7 +267,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return result
 
 
-PLAN_SIZE = 6  # the tensors of tilecompile::attention_plan
+PLAN_SIZE = 6  # the tensors of tilecompile::attention_plan (OA.plan_fakes)
 
 
 def _cast(graph: fx.Graph, t: fx.Node, dtype: torch.dtype) -> fx.Node:
@@ -294,16 +294,7 @@ def _plan(gm: fx.GraphModule, spec: AM.MaskSpec, tokens: dict[str, fx.Node], bef
     result) from it instead of working it out again."""
     args = (tokens.get("pos"), tokens.get("doc"), tokens.get("valid"), spec.lo, spec.hi)
     values = [G.example_value(tokens[key]) for key in ("pos", "doc", "valid") if key in tokens]
-    t = max(v.shape[0] for v in values) * values[0].shape[-1]
-    like = values[0]
-    fakes = [
-        like.new_empty(t, dtype=torch.long),
-        like.new_empty(t, dtype=torch.long),
-        like.new_empty(t, dtype=torch.int8),
-        like.new_empty(t + 2, dtype=torch.int32),
-        like.new_empty(t + 2, dtype=torch.int32),
-        like.new_empty(7, dtype=torch.long, device="cpu"),
-    ]
+    fakes = OA.plan_fakes(values[0], max(v.shape[0] for v in values) * values[0].shape[-1])
     with gm.graph.inserting_before(before):
         call = gm.graph.call_function(torch.ops.tilecompile.attention_plan.default, args)
         items = {}

@@ -64,15 +64,16 @@ def step(model, ids, **kwargs):
     return -(logp * weights).mean() + 0.1 * logits.pow(2).mean()
 
 
-def compare(model, ids, options=None, **kwargs):
+def compare(model, ids, options=None, tol=(1e-5, 1e-4), **kwargs):
+    """Loss and grads of the compiled step as eager's: ``tol`` = (loss, grads) relative tolerances."""
     reference = copy.deepcopy(model)
     compiled = torch.compile(step, backend="tilecompile", options=compile_options(**(options or {})))
     loss = compiled(model, ids, **kwargs)
     loss.backward()
     expected = step(reference, ids, **kwargs)
     expected.backward()
-    assert_close(loss, expected, rtol=1e-5, atol=1e-6, name="loss")
-    assert_grads_close(model, reference, rtol=1e-4, atol=1e-6)
+    assert_close(loss, expected, rtol=tol[0], atol=tol[0] / 10, name="loss")
+    assert_grads_close(model, reference, rtol=tol[1], atol=1e-6 if tol[1] <= 1e-4 else tol[1])
     return tilecompile.report()
 
 
@@ -202,22 +203,9 @@ def test_bf16_autocast_over_fp32_weights(checkpointing):
     model = make_model("qwen2", checkpointing=checkpointing)
     ids = torch.randint(0, 97, (2, 24))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        report = compare_bf16(model, ids, attention_mask=padding_mask(2, 24))
+        report = compare(model, ids, tol=(2e-2, 5e-2), attention_mask=padding_mask(2, 24))  # bf16 roundings
     assert report.counts["attention"] == 2 and not report.failures, report
     assert all("key valid in" in d for d in _details(report)), _details(report)
-
-
-def compare_bf16(model, ids, **kwargs):
-    """``compare`` at bf16's tolerance: the compiled graph and eager round in other orders under autocast."""
-    reference = copy.deepcopy(model)
-    compiled = torch.compile(step, backend="tilecompile", options=compile_options())
-    loss = compiled(model, ids, **kwargs)
-    loss.backward()
-    expected = step(reference, ids, **kwargs)
-    expected.backward()
-    assert_close(loss, expected, rtol=2e-2, atol=2e-2, name="loss")
-    assert_grads_close(model, reference, rtol=5e-2, atol=5e-2)
-    return tilecompile.report()
 
 
 # ---------------------------------------------------------------------------------- hand-written masks

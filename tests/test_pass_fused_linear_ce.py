@@ -259,29 +259,29 @@ def lp_trl_fp32(m, h, y):
     return trl_selective_log_softmax(m.lm_head(h)[:, :-1] / 0.9, y[:, 1:])
 
 
-@pytest.mark.parametrize(
-    "spelling",
-    [
-        lp_functions,
-        lp_methods,
-        lp_gather_minus_logsumexp,
-        lp_minus_keepdim_logsumexp,
-        lp_neg_cross_entropy,
-        lp_nll_loss,
-        lp_lse_of_flat_view,
-        entropy_verl,
-        entropy_p_logp,
-        entropy_exp_logp,
-        logp_entropy_ce_together,
-        shifted,
-        temperature_div,
-        temperature_mul,
-        temperature_inplace,
-        two_views,
-        entropy_only_shifted,
-        lp_trl_fp32,
-    ],
-)
+MATCHES = [
+    lp_functions,
+    lp_methods,
+    lp_gather_minus_logsumexp,
+    lp_minus_keepdim_logsumexp,
+    lp_neg_cross_entropy,
+    lp_nll_loss,
+    lp_lse_of_flat_view,
+    entropy_verl,
+    entropy_p_logp,
+    entropy_exp_logp,
+    logp_entropy_ce_together,
+    shifted,
+    temperature_div,
+    temperature_mul,
+    temperature_inplace,
+    two_views,
+    entropy_only_shifted,
+    lp_trl_fp32,
+]
+
+
+@pytest.mark.parametrize("spelling", MATCHES)
 def test_spelling_fires_and_matches_eager(spelling):
     rep = compile_and_compare(spelling)
     (rw,) = rep.rewrites
@@ -1096,24 +1096,7 @@ def test_eliminate_dead_code_keeps_in_place_calls():
 # every spelling above that fuses in the first static graph (row parts included): it must fuse in every later graph
 # too, whether Dynamo recompiles for a new length (static, then automatic dynamic) or compiles with dynamic=True
 _FUSING_SPELLINGS = [
-    lp_functions,
-    lp_methods,
-    lp_gather_minus_logsumexp,
-    lp_minus_keepdim_logsumexp,
-    lp_neg_cross_entropy,
-    lp_nll_loss,
-    lp_lse_of_flat_view,
-    entropy_verl,
-    entropy_p_logp,
-    entropy_exp_logp,
-    logp_entropy_ce_together,
-    shifted,
-    temperature_div,
-    temperature_mul,
-    temperature_inplace,
-    two_views,
-    entropy_only_shifted,
-    lp_trl_fp32,
+    *MATCHES,
     ce_mean,
     ce_sum,
     ce_mean_ignore_7,
@@ -1130,9 +1113,9 @@ _FUSING_SPELLINGS = [
 
 
 def _fused_per_graph(spelling, dynamic, lengths=((2, 7), (3, 8), (2, 11)), grad=True):
+    """Compile ``Head(spelling)`` for three lengths: every graph compiled must carry one rewrite, values eager's."""
     if spelling is log_softmax_parts_then_gather:  # its parts are 3 + 4 rows along dim 1: vary the batch only
         lengths = ((2, 7), (3, 7), (5, 7))
-    """Compile ``Head(spelling)`` for three lengths: every graph compiled must carry one rewrite, values eager's."""
     torch.manual_seed(0)
     model = Head(spelling)
     compiled = torch.compile(model, backend="tilecompile", options=OPTIONS, dynamic=dynamic)

@@ -51,19 +51,22 @@ def attention_plan(
     return list(K.plan_tensors(pos, doc, valid, lo, hi, b, n, device))
 
 
-@attention_plan.register_fake
-def _(pos, doc, valid, lo, hi):
-    b, n, device = _token_batch(pos, doc, valid)
-    t = b * n
-    like = next(x for x in (pos, doc, valid) if x is not None)
+def plan_fakes(like: torch.Tensor, t) -> list[torch.Tensor]:
+    """Empty tensors of the plan's shapes for ``t`` tokens, made from ``like`` (a fake tensor in fake mode)."""
     return [
         like.new_empty(t, dtype=torch.long),
         like.new_empty(t, dtype=torch.long),
         like.new_empty(t, dtype=torch.int8),
         like.new_empty(t + 2, dtype=torch.int32),
         like.new_empty(t + 2, dtype=torch.int32),
-        torch.empty(7, dtype=torch.long, device="cpu"),
+        like.new_empty(7, dtype=torch.long, device="cpu"),
     ]
+
+
+@attention_plan.register_fake
+def _(pos, doc, valid, lo, hi):
+    b, n, _ = _token_batch(pos, doc, valid)
+    return plan_fakes(next(x for x in (pos, doc, valid) if x is not None), b * n)
 
 
 def _packed(q, k, v, pos, doc, valid, lo, hi, plan):
