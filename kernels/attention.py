@@ -299,8 +299,11 @@ def _unpack(t: torch.Tensor, inv: torch.Tensor | None, b: int, n: int) -> torch.
 def flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
     """Flash varlen forward over packed [T, heads, D]: (out [T, H, D], lse [H, T] fp32). Rows outside every query
     segment are left as the kernel leaves them (the caller selects)."""
+    # max_q >= 2: with max_q == 1 (every segment one query: right pads one a row) and GQA, FA2 reshapes q as one
+    # query per segment ([segments, Hkv, H / Hkv, D]), which packed rows outside every segment break. max_q only
+    # sizes the grid; the segments bound the work.
     res = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+        q, k, v, cu_q, cu_k, max(2, max_q), max_k, 0.0, causal, False,
         scale=scale, window_size_left=left, window_size_right=right,
     )  # fmt: skip
     return res[0], res[1]
@@ -309,7 +312,7 @@ def flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
 def flash_bwd(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: no dropout
     return torch.ops.aten._flash_attention_backward(
-        g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, unused, unused,
+        g, q, k, v, out, lse, cu_q, cu_k, max(2, max_q), max_k, 0.0, causal, unused, unused,
         scale=scale, window_size_left=left, window_size_right=right,
     )  # fmt: skip
 
@@ -343,9 +346,10 @@ def flash_dense_bwd(g4, q4, k4, v4, out4, lse, causal, left, right, scale):
 
 
 def _rows4(t: torch.Tensor) -> torch.Tensor:
-    """[B, heads, N, D] -> the [B, N, heads, D] view flash takes (a copy only if D is not the innermost stride)."""
-    t4 = t.transpose(1, 2)
-    return t4 if t4.stride(-1) == 1 else t4.contiguous()
+    """[B, heads, N, D] -> [B, N, heads, D] contiguous (free for token-major ``t``, HF's q; one copy for head-major,
+    e.g. ``repeat_kv``'s k, v): the kernels allocate out and grads ``empty_like`` their inputs, and those must come
+    back token-major, as the fake kernels say."""
+    return t.transpose(1, 2).contiguous()
 
 
 def _dense(fn, *args):
@@ -354,6 +358,8 @@ def _dense(fn, *args):
         return None
     try:
         return fn(*args)
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError as exc:
         _DENSE_OK[0] = False
         warnings.warn(
@@ -371,6 +377,9 @@ def packed_fwd(q, k, v, pk: dict, lo, hi, scale):
     t1, t = pk["t1"], b * n
     order = pk["order"]
     left, right = _windows(lo, hi)
+    if t1 == 0:  # every token padding: no key anywhere (flash takes no empty batch)
+        out = token_major(q, b, h, n, v.shape[-1]).zero_()
+        return out, torch.full((b, h, n), float("inf"), dtype=torch.float32, device=q.device)
     if pk["rows"]:  # every row one whole segment (an all-ones padding mask): the whole-row kernel
         res = _dense(flash_dense_fwd, _rows4(q), _rows4(k), _rows4(v), lo == 0, left, right, scale)
         if res is not None:
@@ -397,6 +406,8 @@ def packed_bwd(grad_out, q, k, v, out, lse, pk: dict, lo, hi, scale):
     t1, t2 = pk["t1"], pk["t2"] if pk["cu2"] is not None else 0
     order = pk["order"]
     left, right = _windows(lo, hi)
+    if t1 == 0:
+        return tuple(token_major(x, *x.shape).zero_() for x in (q, k, v))
     if pk["rows"]:
         rows = (_rows4(x) for x in (grad_out, q, k, v, out))
         res = _dense(flash_dense_bwd, *rows, lse.contiguous(), lo == 0, left, right, scale)

@@ -105,7 +105,9 @@ def emulated_dense_fwd(q4, k4, v4, causal, left, right, scale):
     cu = _row_offsets(b, n)
     flat = [t.reshape(b * n, *t.shape[2:]) for t in (q4, k4, v4)]
     out, lse = emulated_flash_fwd(*flat, cu, cu, n, n, causal, left, right, scale)
-    return out.view(q4.shape[0], n, *out.shape[1:]), lse.view(-1, b, n).transpose(0, 1).contiguous()
+    # the kernel allocates out empty_like its q: the same strides as q4
+    out = torch.empty_like(q4).copy_(out.view(b, n, *out.shape[1:]))
+    return out, lse.view(-1, b, n).transpose(0, 1).contiguous()
 
 
 def emulated_dense_bwd(g4, q4, k4, v4, out4, lse, causal, left, right, scale):
@@ -114,7 +116,7 @@ def emulated_dense_bwd(g4, q4, k4, v4, out4, lse, causal, left, right, scale):
     flat = [t.reshape(b * n, *t.shape[2:]) for t in (g4, q4, k4, v4, out4)]
     lse_f = lse.transpose(0, 1).reshape(lse.shape[1], b * n)
     grads = emulated_flash_bwd(*flat, lse_f, cu, cu, n, n, causal, left, right, scale)
-    return tuple(x.view(b, n, *x.shape[1:]) for x in grads)
+    return tuple(torch.empty_like(t).copy_(x.view(b, n, *x.shape[1:])) for t, x in zip((q4, k4, v4), grads))
 
 
 EMULATED = {
@@ -173,6 +175,7 @@ CASES = [
     ),  # fmt: skip
     ("docs out of order", None, torch.tensor([[0] * 5 + [1] * 6 + [0] * 8 + [2] * 10]), None, 0, None, True),
     ("window, no tokens", None, None, None, 0, 6, True),
+    ("every token padding", None, None, torch.zeros(2, N, dtype=torch.long), 0, None, True),
 ]
 
 
@@ -189,6 +192,8 @@ def test_packed_path_matches_float64_at_every_position(case, dtype, emulated_fla
     out, lse = torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, valid, lo, hi, 0.3, plan)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
+    for label, t, like in zip(("out", "dq", "dk", "dv"), (out, *grads), (q, q, k, v)):  # as the fake kernels say
+        assert t.stride() == K.token_major(like, *like.shape).stride(), (name, label, t.stride())
     path = "flash" if exact else "chunked"
     assert OA.PATHS[path] - before[path] == 2, (name, OA.PATHS, before)  # forward and backward
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -298,3 +303,33 @@ def test_whole_rows_take_the_whole_row_kernel(emulated_flash, monkeypatch):
     with pytest.warns(UserWarning, match="varlen kernel serves instead"):
         out, _ = torch.ops.tilecompile.masked_attention(q, q[:, :2], q[:, :2], None, None, valid, 0, None, 0.3, plan)
     assert calls == ["rows", "varlen"] and torch.allclose(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "valid",
+    [
+        torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+        torch.zeros(2, 4, dtype=torch.long),
+        torch.ones(2, 1, dtype=torch.long),
+    ],
+    ids=["one right pad a row (max_q 1, GQA)", "every token padding", "one token a row"],
+)
+def test_cuda_flash_path_edge_cases(valid):
+    """Shapes the kernels treat apart (found by reading FA2's launcher): one query per call-2 segment with GQA,
+    no real token at all, one token a row; values and grads as float64's, at eager's error."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    valid = valid.cuda()
+    b, n = valid.shape
+    q = torch.randn(b, n, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(b, 2, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    plan = OA.attention_plan(None, None, valid, 0, None)
+    out, _ = torch.ops.tilecompile.masked_attention(q, k, v, None, None, valid, 0, None, 0.125, plan)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = K.reference(*ref_in, None, None, valid, 0, None, 0.125)
+    ref_grads = torch.autograd.grad(ref, ref_in, torch.ones_like(ref))
+    for a, r in zip((out, *grads), (ref, *ref_grads)):
+        assert (a.double() - r).abs().max().item() <= 2e-2 * max(1.0, r.abs().max().item())
