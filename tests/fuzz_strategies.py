@@ -376,6 +376,9 @@ class GatedMLP(nn.Module):
             return (self.down_proj(self.activation(g)),)
         a = g if miss == "no_activation" else self.activation(g)
         h = a * u if s.act_first else u * a
+        if self.reference:  # the size of the terms the down projection sums: what its rounding scales with
+            terms = h.detach().abs() @ self.down_proj.weight.detach().abs().t()
+            self.term_size = float(terms.max()) if terms.numel() else 0.0
         y = self.linear(h, self.down_proj)
         return (y, h) if miss == "intermediate_returned" else (y,)
 
