@@ -693,20 +693,20 @@ def temperature_inplace_operator(m, h, y):
     return lp_of(z, y), entropy_of(z)
 
 
-@pytest.mark.parametrize(
-    "spelling",
-    [
-        entropy_split_cat,
-        logp_chunk_cat_with_labels,
-        logp_entropy_unbind_stack,
-        logp_slices_cat,
-        log_softmax_parts_then_gather,
-        logp_buffer_setitem,
-        entropy_buffer_copy,
-        logp_buffer_int_rows,
-        temperature_inplace_operator,
-    ],
-)
+ROW_PART_MATCHES = [
+    entropy_split_cat,
+    logp_chunk_cat_with_labels,
+    logp_entropy_unbind_stack,
+    logp_slices_cat,
+    log_softmax_parts_then_gather,
+    logp_buffer_setitem,
+    entropy_buffer_copy,
+    logp_buffer_int_rows,
+    temperature_inplace_operator,
+]
+
+
+@pytest.mark.parametrize("spelling", ROW_PART_MATCHES)
 def test_row_parts_fire_and_match_eager(spelling):
     rep = compile_and_compare(spelling)
     (fused,) = rep.rewrites
@@ -1100,15 +1100,7 @@ _FUSING_SPELLINGS = [
     ce_mean,
     ce_sum,
     ce_mean_ignore_7,
-    entropy_split_cat,
-    logp_chunk_cat_with_labels,
-    logp_entropy_unbind_stack,
-    logp_slices_cat,
-    log_softmax_parts_then_gather,
-    logp_buffer_setitem,
-    entropy_buffer_copy,
-    logp_buffer_int_rows,
-    temperature_inplace_operator,
+    *ROW_PART_MATCHES,
 ]
 
 
