@@ -13,7 +13,9 @@ The mask is usually built once and used by every layer, inside activation-checkp
 it into a higher-order op's body, hands the body the per-token tensors instead (new operands and placeholders),
 and rewrites the SDPA calls there. Checks, each a reason when it says no: the mask is index arithmetic over
 per-token tensors; every use of it is an SDPA mask (directly or through a body); q, k, v are 4-D with equal query
-and key lengths; dropout is 0 and ``is_causal`` False; GQA only with ``enable_gqa=True``.
+and key lengths; dropout is 0 and ``is_causal`` False; GQA only with ``enable_gqa=True``. Keys and values repeated
+per query head in GQA's order (HF's ``repeat_kv``, which it runs whenever SDPA gets a mask) are read through: the
+rewritten attention takes the key heads themselves (``unrepeated``).
 """
 
 from __future__ import annotations
@@ -158,15 +160,71 @@ def rewrite_uses(gm: fx.GraphModule, mask: fx.Node, spec: AM.MaskSpec, tokens: d
         body.recompile()
 
 
+def unrepeated(node: Any) -> fx.Node | None:
+    """The [B, Hkv, N, D] source of a key or value that repeats each key head ``rep`` times in a row, or None:
+    HF's ``repeat_kv`` (``x[:, :, None].expand(B, Hkv, rep, N, D).reshape(B, Hkv * rep, N, D)``, which it runs
+    whenever SDPA gets a mask; ``flatten(1, 2)`` alike) or ``x.repeat_interleave(rep, dim=1)``. Query head h then
+    reads key head h // rep, GQA's order, so attention can take the source itself: no [B, H, N, D] copies of k and
+    v to gather, save and read back."""
+    if not isinstance(node, fx.Node):
+        return None
+    shape = G.shape(node)
+    if shape is None or len(shape) != 4:
+        return None
+    if G.op(node) == "repeat_interleave":
+        src, dim = G.arg(node, 0, "input"), G.arg(node, 2, "dim")
+        rep = G.arg(node, 1, "repeats")
+        ok = isinstance(rep, int) and rep >= 1 and dim in (1, -3) and G.arg(node, 3, "output_size") is None
+        return src if ok and isinstance(src, fx.Node) and len(G.shape(src) or ()) == 4 else None
+    merged = G.op(node) in ("reshape", "view") or (
+        G.op(node) == "flatten" and (G.arg(node, 1, "start_dim"), G.arg(node, 2, "end_dim")) in ((1, 2), (1, -3))
+    )
+    if not merged or not isinstance(node.args[0], fx.Node):
+        return None
+    expanded = node.args[0]
+    es = G.shape(expanded)
+    if G.op(expanded) != "expand" or es is None or len(es) != 5 or not isinstance(expanded.args[0], fx.Node):
+        return None
+    inserted = expanded.args[0]
+    src = _unsqueezed_at_2(inserted)
+    ss = G.shape(src) if src is not None else None
+    if ss is None or len(ss) != 4 or not G.same_shape((ss[0], ss[1], 1, ss[2], ss[3]), G.shape(inserted)):
+        return None
+    rep, hkv = G.static_size(es[2]), G.static_size(ss[1])
+    if rep is None or hkv is None or G.static_size(shape[1]) != hkv * rep:
+        return None
+    if not (G.same_shape(es, (ss[0], ss[1], es[2], ss[2], ss[3])) and G.same_shape(shape, (ss[0], shape[1], *ss[2:]))):
+        return None
+    return src
+
+
+def _unsqueezed_at_2(node: fx.Node) -> fx.Node | None:
+    """``x`` where ``node`` is ``x.unsqueeze(2)`` or ``x[:, :, None]`` (a 4-D x)."""
+    if G.op(node) == "unsqueeze" and G.arg(node, 1, "dim") == 2:
+        return node.args[0] if isinstance(node.args[0], fx.Node) else None
+    if G.op(node) == "getitem" and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], tuple):
+        full = slice(None, None, None)
+        index = node.args[1]
+        if index[:3] == (full, full, None) and all(i == full or i is Ellipsis for i in index[3:]):
+            return node.args[0]
+    return None
+
+
 def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: dict[str, fx.Node]) -> R.Rewrite:
     q, k, v = (G.arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
     scale = G.arg(node, 6, "scale")
-    qs, ks = G.shape(q), G.shape(k)
+    qs = G.shape(q)
     graph = gm.graph
+    gqa = G.arg(node, 7, "enable_gqa", False)
+    k0, v0 = unrepeated(k), unrepeated(v)
+    if k0 is not None and v0 is not None and G.same_size(G.shape(k0)[1], G.shape(v0)[1]):
+        k, v, gqa = k0, v0, True  # repeat_kv read through: attention takes GQA's key heads
+    ks = G.shape(k)
+    through = f"; GQA {qs[1]}/{ks[1]} heads, repeat_kv read through" if k is k0 and k0 is not None else ""
     if spec.is_causal or spec.is_full:
         dropout = G.arg(node, 4, "dropout_p", 0.0)  # 0, perhaps symbolic: kept as the graph had it
         kwargs = {"attn_mask": None, "dropout_p": dropout, "is_causal": spec.is_causal, "scale": scale}
-        if G.arg(node, 7, "enable_gqa", False):
+        if gqa:
             kwargs["enable_gqa"] = True
         with graph.inserting_before(node):
             new = graph.call_function(node.target, (q, k, v), kwargs)
@@ -210,9 +268,8 @@ def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: 
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     shapes = {"q": tuple(G.hint(s) for s in qs), "k": tuple(G.hint(s) for s in ks)}
-    return R.Rewrite(
-        NAME, G.module_path(result) or G.module_path(new), shapes, {"q": str(G.dtype(q)).replace("torch.", "")}, detail
-    )
+    path = G.module_path(result) or G.module_path(new)
+    return R.Rewrite(NAME, path, shapes, {"q": str(G.dtype(q)).replace("torch.", "")}, detail + through)
 
 
 # ------------------------------------------------------------------------------------------------------- run

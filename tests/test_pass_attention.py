@@ -99,6 +99,8 @@ def test_hf_models_match_eager(family, case, checkpointing):
     details = _details(report)
     assert report.counts["attention"] == 2, (report.counts, report.skipped)
     assert all(detail in d for d in details), details
+    # HF repeats k, v per query head (repeat_kv) whenever SDPA gets a mask: attention takes the 2 key heads
+    assert all("GQA 4/2 heads, repeat_kv read through" in d for d in details), details
     assert not [s for s in report.skipped if s.pass_name == "attention"]
 
 
@@ -291,6 +293,50 @@ def test_hand_written_masks(build, expected):
     assert_grads_close(model, ref, rtol=1e-4, atol=1e-5)
     details = _details(tilecompile.report())
     assert len(details) == 1 and expected in details[0], details
+
+
+_REPEATS = {
+    "repeat_kv": (lambda t, r: t[:, :, None].expand(*t.shape[:2], r, *t.shape[2:]).flatten(1, 2), True),
+    "repeat_kv-reshape": (lambda t, r: t[:, :, None].expand(-1, -1, r, -1, -1).reshape(t.shape[0], -1, *t.shape[2:]),
+                          True),
+    "repeat_interleave": (lambda t, r: t.repeat_interleave(r, dim=1), True),
+    "tiled-repeat": (lambda t, r: t.repeat(1, r, 1, 1), False),  # head h reads key head h % Hkv: not GQA's order
+    "tiled-expand": (lambda t, r: t[:, None].expand(-1, r, -1, -1, -1).reshape(t.shape[0], -1, *t.shape[2:]), False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("spelling", list(_REPEATS))
+def test_repeated_key_heads_are_read_through(spelling):
+    """k, v repeated per query head become GQA's key heads in the op only when query head h reads key head
+    h // rep (repeat_kv's order); a tiled repeat (h % Hkv) stays as written. Values and grads as eager either way."""
+    repeat, read = _REPEATS[spelling]
+    torch.manual_seed(0)
+    x = torch.randn(2, 19, 32, dtype=torch.float64, requires_grad=True)
+    wq, wk, wv = (torch.randn(32, n, dtype=torch.float64, requires_grad=True) for n in (32, 16, 16))
+    pad = torch.ones(2, 19, dtype=torch.long)
+    pad[0, :4] = 0
+    pad[1, 15:] = 0
+
+    def fn(x, wq, wk, wv, pad):
+        b, n, _ = x.shape
+        q = (x @ wq).view(b, n, 4, 8).transpose(1, 2)
+        k, v = ((x @ w).view(b, n, 2, 8).transpose(1, 2) for w in (wk, wv))
+        k, v = repeat(k, 2), repeat(v, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_pad_ne_0(x, pad))
+
+    inputs = (x, wq, wk, wv)
+    out = torch.compile(fn, backend="tilecompile", options=compile_options())(*inputs, pad)
+    refs = [t.detach().clone().requires_grad_() for t in inputs]
+    expected = fn(*refs, pad)
+    assert_close(out, expected, rtol=1e-10, atol=1e-12, name="out")
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, g)
+    expected_grads = torch.autograd.grad(expected, refs, g)
+    for name, got, want in zip(("x", "wq", "wk", "wv"), grads, expected_grads):
+        assert_close(got, want, rtol=1e-10, atol=1e-12, name=f"{name}.grad")
+    details = _details(tilecompile.report())
+    assert len(details) == 1 and "masked_attention" in details[0], details
+    assert ("GQA 4/2 heads, repeat_kv read through" in details[0]) is read, details
 
 
 @pytest.mark.parametrize(
