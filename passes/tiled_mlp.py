@@ -5,7 +5,8 @@
 The op runs the MLP chunk by chunk over the tokens of ``x`` and saves only ``x`` for backward, so the [N, I]
 intermediates never exist all at once. Matched by meaning through ``tilecompile.graph``: linears in any spelling
 (``F.linear``, ``x @ w.t()``, a separate bias add), SiLU as ``F.silu`` / ``nn.SiLU`` / ``x * sigmoid(x)``, either
-order of the gate multiply, and fused ``gate_up`` weights whose output is cut in two along the last dim
+order of the gate multiply, an up projection plus a literal zero (Megatron-Core's ``up + glu_linear_offset``), and
+fused ``gate_up`` weights whose output is cut in two along the last dim
 (``chunk``, ``split``, slicing); their gate and up weights are passed as row slices of the fused weight (views:
 autograd sums both halves' grads into the one parameter).
 
@@ -15,7 +16,8 @@ autocast the op is handed ``x`` and the weights cast to the compute dtype, as ``
 edge inside the region; at least ``mlp_min_tokens`` tokens (a symbolic count is compared under a guard).
 
 Not matched (left to Inductor): GELU spelled out as tanh arithmetic (HF ``gelu_new``), LoRA-style adapters added
-to a projection, MoE experts whose weights are indexed out of a stacked parameter, dropout inside the MLP.
+to a projection, MoE experts whose weights are indexed out of a stacked parameter, dropout inside the MLP. Grouped
+MoE experts (``grouped_mm`` over stacked [E, ...] weights, HF transformers 5's default) get a reason in the report.
 """
 
 from __future__ import annotations
@@ -73,9 +75,25 @@ class GatedMLP:
 # ------------------------------------------------------------------------------------------------------ find
 
 
+def _plus_zero(node: fx.Node) -> fx.Node:
+    """``v + 0.0`` (or ``0 + v``, ``v - 0``) is ``v`` itself: Megatron-Core's GLU adds ``glu_linear_offset`` (0.0
+    by default) to the up projection. Adding a literal zero changes no value but the sign of a zero, and its
+    gradient is the identity, so the tiled op (which leaves it out) computes the same function."""
+    name = G.op(node)
+    if name not in ("add", "sub") or len(node.args) != 2 or node.kwargs:
+        return node
+    a, b = node.args
+    zero = [t for t in (a, b) if isinstance(t, int | float) and not isinstance(t, bool) and t == 0]
+    tensor = [t for t in (a, b) if isinstance(t, fx.Node)]
+    if len(zero) != 1 or len(tensor) != 1 or (name == "sub" and b is not zero[0]):
+        return node
+    return tensor[0]
+
+
 def as_projection(node: object) -> Projection | None:
     if not isinstance(node, fx.Node):
         return None
+    node = _plus_zero(node)
     lin = G.as_affine(node)
     if lin is not None:
         return Projection(node, lin)
@@ -89,6 +107,9 @@ def as_projection(node: object) -> Projection | None:
 def match(node: fx.Node) -> GatedMLP | str | None:
     """A gated MLP ending in ``node`` (its down projection); a reason when it looks like an MLP but is not one
     this pass can tile; None when ``node`` is not an MLP's down projection at all."""
+    grouped = _grouped_experts_reason(node)
+    if grouped is not None:
+        return grouped
     down = G.as_affine(node)
     if down is None or _bias_added_later(down):
         return None
@@ -123,6 +144,24 @@ def match(node: fx.Node) -> GatedMLP | str | None:
         return reasons[0]
     kinds = ", ".join(str(G.op(t) or t.op) for t in (a, b))
     return f"gate multiply of ({kinds}): neither factor is {'/'.join(ACTIVATIONS)} of a linear"
+
+
+_GROUPED_MM = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
+
+
+def _grouped_experts_reason(node: fx.Node) -> str | None:
+    """A reason for MoE experts run as one grouped matmul over stacked [E, ...] expert weights (HF transformers 5's
+    ``grouped_mm`` experts, torch's ``grouped_mm``) whose input is a gate multiply: the pass has no grouped op yet,
+    so it says so instead of passing them by in silence."""
+    if node.op != "call_function":
+        return None
+    names = {str(node.target), str(getattr(node.target, "__name__", ""))}
+    if not any(n == t or n.endswith(("." + t, "::" + t)) for n in names for t in _GROUPED_MM):
+        return None
+    h = G.strip_casts(node.args[0]) if node.args else None
+    if not isinstance(h, fx.Node) or G.op(h) != "mul":
+        return None
+    return "MoE experts (grouped_mm over stacked expert weights): not tiled (no grouped tiled op yet)"
 
 
 def _bias_added_later(lin: G.Linear) -> bool:

@@ -81,6 +81,10 @@ class MLP(torch.nn.Module):
             h = torch.relu(g) * u
         elif s == "up_first":
             h = u * F.silu(g)
+        elif s == "plus_zero":  # Megatron-Core's GLU: act(gate) * (up + glu_linear_offset), 0.0 by default
+            h = F.silu(g) * (u + 0.0)
+        elif s == "zero_plus":
+            h = F.silu(g) * (0 + u)
         elif s == "matmul":
             g = x @ self.gate_proj.weight.t()
             u = torch.matmul(x, self.up_proj.weight.T)
@@ -133,6 +137,8 @@ SEPARATE = [
     ("gelu_tanh", "gelu_tanh"),
     ("relu", "relu"),
     ("up_first", "silu"),
+    ("plus_zero", "silu"),
+    ("zero_plus", "silu"),
     ("matmul", "silu"),
 ]
 
@@ -326,6 +332,8 @@ class NearMiss(torch.nn.Module):
         if k == "weight_computed":
             g = F.linear(x, self.gate_proj.weight * 2)
             return self.down_proj(F.silu(g) * self.up_proj(x))
+        if k == "plus_one":  # a nonzero offset is not the up projection itself
+            return self.down_proj(F.silu(self.gate_proj(x)) * (self.up_proj(x) + 1.0))
         if k == "sigmoid_glu":
             return self.down_proj(torch.sigmoid(self.gate_proj(x)) * self.up_proj(x))
         raise ValueError(k)
@@ -338,6 +346,7 @@ NEAR_MISSES = [
     ("not_gated_x_sigmoid", "not gated"),
     ("weight_computed", "not a graph input"),
     ("sigmoid_glu", "neither factor"),
+    ("plus_one", "is not a linear (up projection)"),
 ]
 
 

@@ -20,8 +20,8 @@ three with the fused CUDA kernels); the default chunk is the largest multiple of
 lengths do not recompile.
 
 CPU and CUDA share this code; cuBLAS/MKL do the matmuls. On CUDA the elementwise work of a chunk is one Triton
-kernel each way (``_tiled_mlp_fwd_kernel``, ``_tiled_mlp_bwd_kernel``; the PyTorch elementwise path is their
-reference, ``USE_TRITON = False`` selects it). fp32 accumulation of bf16/fp16 products uses
+kernel each way (kernels/tiled_mlp.py, beside its PyTorch reference, the CPU path; ``USE_TRITON = False`` selects
+the reference on CUDA too). fp32 accumulation of bf16/fp16 products uses
 ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` when this torch supports it (probed once per device),
 else a per-chunk product in the compute dtype added into the fp32 buffer.
 
@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from tilecompile.kernels import tiled_mlp as K
 
 __all__ = ["ACTIVATIONS", "GRAD_ACCUM", "chunk_size_for", "tiled_gated_mlp"]
 
@@ -62,137 +64,22 @@ def chunk_size_for(tokens: int, intermediate: int, dtype: torch.dtype, budget_mb
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# elementwise pieces, all writing into a given buffer (which may be one of the inputs)
+# chunk pieces. The elementwise work of a chunk: on CUDA one Triton kernel each way (kernels/tiled_mlp.py), on CPU
+# (and for fp64) the same file's plain-PyTorch reference.
+
+USE_TRITON = True  # module switch (benchmarks compare both paths); applies to CUDA tensors
+_TRITON_ON_CPU = False  # tests flip this under TRITON_INTERPRET=1 to run the fused path on CPU tensors
 
 
-def _act_into(src: Tensor, out: Tensor, activation: str) -> Tensor:
-    if activation == "silu":
-        return torch.ops.aten.silu.out(src, out=out)
-    if activation == "gelu":
-        return torch.ops.aten.gelu.out(src, approximate="none", out=out)
-    if activation == "gelu_tanh":
-        return torch.ops.aten.gelu.out(src, approximate="tanh", out=out)
-    return torch.clamp_min(src, 0, out=out)
-
-
-def _act_backward_into(grad: Tensor, pre: Tensor, out: Tensor, activation: str) -> Tensor:
-    """out = grad * act'(pre)."""
-    if activation == "silu":
-        return torch.ops.aten.silu_backward.grad_input(grad, pre, grad_input=out)
-    if activation == "gelu":
-        return torch.ops.aten.gelu_backward.grad_input(grad, pre, approximate="none", grad_input=out)
-    if activation == "gelu_tanh":
-        return torch.ops.aten.gelu_backward.grad_input(grad, pre, approximate="tanh", grad_input=out)
-    return torch.ops.aten.threshold_backward.grad_input(grad, pre, 0, grad_input=out)
+def _use_triton(t: Tensor) -> bool:
+    fits = t.dtype in (torch.float32, torch.float16, torch.bfloat16)  # the kernels compute in fp32: not for fp64
+    return K.HAS_TRITON and USE_TRITON and fits and (t.is_cuda or _TRITON_ON_CPU)
 
 
 def _linear_into(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
     if bias is None:
         return torch.mm(x, weight.t(), out=out)
     return torch.addmm(bias, x, weight.t(), out=out)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# CUDA: the elementwise work of a chunk fused into one Triton kernel each way (the PyTorch code above is the
-# reference and the CPU implementation). Math in fp32, results rounded once to the compute dtype.
-#   forward:  g <- act(g) * u                                           (read 2, write 1 instead of 5 passes)
-#   backward: g <- h = act(g) * u,  u <- du = act(g) * dh,  dh <- dg = dh * u * act'(g)
-#             (read 3, write 3 instead of 16 passes; and three [chunk, I] buffers instead of four)
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs without Triton use the PyTorch path everywhere
-    triton = None
-
-USE_TRITON = True  # module switch (benchmarks compare both paths); applies to CUDA tensors
-_TRITON_ON_CPU = False  # tests flip this under TRITON_INTERPRET=1 to run the fused path on CPU tensors
-_ACT_CODE = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
-_BLOCK = 2048
-
-
-def _use_triton(t: Tensor) -> bool:
-    fits = t.dtype in (torch.float32, torch.float16, torch.bfloat16)  # the kernels compute in fp32: not for fp64
-    return triton is not None and USE_TRITON and fits and (t.is_cuda or _TRITON_ON_CPU)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _gated_act(g, ACT: tl.constexpr):
-        """(act(g), act'(g)) in fp32."""
-        if ACT == 0:  # silu
-            s = tl.sigmoid(g)
-            a = g * s
-            da = s * (1.0 + g * (1.0 - s))
-        elif ACT == 1:  # gelu, exact erf
-            cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
-            a = g * cdf
-            da = cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
-        elif ACT == 2:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
-            z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            t = 2.0 * tl.sigmoid(2.0 * z) - 1.0
-            a = 0.5 * g * (1.0 + t)
-            da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
-        else:  # relu; act'(0) = 0 as in PyTorch
-            a = tl.maximum(g, 0.0)
-            da = tl.where(g > 0.0, 1.0, 0.0)
-        return a, da
-
-    @triton.jit
-    def _tiled_mlp_fwd_kernel(g_ptr, u_ptr, n_elements, ACT: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n_elements
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        a, _ = _gated_act(g, ACT)
-        tl.store(g_ptr + offs, (a * u).to(g_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _tiled_mlp_bwd_kernel(
-        g_ptr,
-        u_ptr,
-        dh_ptr,
-        n_elements,
-        ACT: tl.constexpr,
-        STORE_H: tl.constexpr,
-        STORE_DU: tl.constexpr,
-        STORE_DG: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # every element is read and then overwritten by the same program: the in-place stores are race-free
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n_elements
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        a, da = _gated_act(g, ACT)
-        if STORE_H or STORE_DG:
-            u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if STORE_DU or STORE_DG:
-            dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if STORE_H:
-            tl.store(g_ptr + offs, (a * u).to(g_ptr.dtype.element_ty), mask=mask)
-        if STORE_DU:
-            tl.store(u_ptr + offs, (a * dh).to(u_ptr.dtype.element_ty), mask=mask)
-        if STORE_DG:
-            tl.store(dh_ptr + offs, (dh * u * da).to(dh_ptr.dtype.element_ty), mask=mask)
-
-
-def _fused_act_mul_(g: Tensor, u: Tensor, activation: str) -> Tensor:
-    """g <- act(g) * u, in place (contiguous buffers)."""
-    n = g.numel()
-    _tiled_mlp_fwd_kernel[(triton.cdiv(n, _BLOCK),)](g, u, n, ACT=_ACT_CODE[activation], BLOCK=_BLOCK, num_warps=8)
-    return g
-
-
-def _fused_act_backward_(
-    g: Tensor, u: Tensor, dh: Tensor | None, activation: str, store_h: bool, store_du: bool, store_dg: bool
-) -> None:
-    """g <- act(g) * u, u <- act(g) * dh, dh <- dh * u * act'(g), each only where asked, in place."""
-    n = g.numel()
-    _tiled_mlp_bwd_kernel[(triton.cdiv(n, _BLOCK),)](
-        g, u, dh if dh is not None else g, n, ACT=_ACT_CODE[activation],
-        STORE_H=store_h, STORE_DU=store_du, STORE_DG=store_dg, BLOCK=_BLOCK, num_warps=8,
-    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -334,9 +221,9 @@ def _tiled_gated_mlp_op(
             _linear_into(xc, gate_weight, gate_bias, g)
             _linear_into(xc, up_weight, up_bias, u)
             if fused:
-                _fused_act_mul_(g, u, activation)
+                K.fused_act_mul_(g, u, activation)
             else:
-                _act_into(g, g, activation)
+                K.act_into(g, g, activation)
                 g.mul_(u)
             _linear_into(g, down_weight, down_bias, out[s:e])
     return out.view(*x.shape[:-1], d_out)
@@ -511,15 +398,15 @@ def _tiled_gated_mlp_backward_op(
                 if need_dh:
                     torch.mm(dyc, down_weight[:, lo:hi], out=dh)
                 if fused:  # one kernel: g <- h, u <- du, dh <- dg
-                    _fused_act_backward_(g, u, dh, activation, need_wd, need_du, need_dg)
+                    K.fused_act_backward_(g, u, dh, activation, need_wd, need_du, need_dg)
                     h, du, dg = g, u, dh
                 if need_wd:
                     if not fused:
-                        h = _act_into(g, t, activation).mul_(u)
+                        h = K.act_into(g, t, activation).mul_(u)
                     _accumulate_mm(acc_wd[:, lo:hi], dyc.t(), h)
                 if need_du:
                     if not fused:
-                        du = _act_into(g, t, activation).mul_(dh)
+                        du = K.act_into(g, t, activation).mul_(dh)
                     if need_wu:
                         _accumulate_mm(acc_wu[lo:hi], du.t(), xc)
                     if need_bu:
@@ -528,7 +415,7 @@ def _tiled_gated_mlp_backward_op(
                         _dx_add(dx_tile, du, wu_k, first=k == 0)
                 if need_dg:
                     if not fused:
-                        dg = _act_backward_into(u.mul_(dh), g, u, activation)
+                        dg = K.act_backward_into(u.mul_(dh), g, u, activation)
                     if need_wg:
                         _accumulate_mm(acc_wg[lo:hi], dg.t(), xc)
                     if need_bg:
