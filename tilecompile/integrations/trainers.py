@@ -202,7 +202,6 @@ def _fused_step(spec: dict):
 def _is_top1(model: torch.nn.Module, spec: dict, hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
     """TRL's own ``is_top1`` (the label is the first argmax), forward only: its kernel, as TRL's forward calls it."""
     from trl.kernels import ChunkedLogProbFunction
-
     from trl.trainer import utils as trl_utils
 
     lm_head = model.get_output_embeddings()
