@@ -299,6 +299,7 @@ def _padded_case(device, valid: torch.Tensor, doc: torch.Tensor | None, repeats:
     import tilecompile.ops.attention as OA
 
     (b, n), h, hkv, d = valid.shape, 12, 2, 128
+
     def hf_layout(heads):  # [B, heads, N, D] views of token-major storage, as HF's q, k, v
         return torch.randn(b, n, heads, d, device=device, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
 
