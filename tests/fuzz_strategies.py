@@ -623,6 +623,7 @@ class Attention(nn.Module):
         self.reference = False
         self.probe: torch.Generator | None = None  # the reference's noise probe (see add_rounding)
         self.bounds: dict[str, float] = {}  # what the probe's noise can add at most to the q / kv grads, by name
+        self.out_unit = 0.0  # the unit rounding of the run's out, which the op's δ = rowsum(do ⊙ out) reads
 
     def forward(self, x, pad=None, doc=None, pos=None, rmask=None) -> tuple:
         if self.spec.checkpoint == "all" and not self.reference:
@@ -660,12 +661,14 @@ class Attention(nn.Module):
         """Adds to dq and dk the rounding an fp32 flash-style backward puts in ds, as random-signed noise.
 
         ds_ij = p_ij (dp_ij - δ_i) with dp_ij = do_i·v_j; the op takes δ_i = do_i·out_i (not Σ_j p_ij dp_ij, which
-        cancels exactly on a row with one allowed key, as eager's and fp64's dq and dk do there), so ds_ij carries
-        rounding up to eps·p_ij·(|do_i|·|v_j| + |do_i|·|out_i|), which reaches dq = scale·ds·k and dk = scale·dsᵀ·q.
+        cancels exactly on a row with one allowed key, as eager's and fp64's dq and dk do there) with out as stored,
+        rounded to the run's dtype (``out_unit``; flash does the same), so ds_ij carries rounding up to
+        p_ij·(eps·|do_i|·|v_j| + out_unit·|do_i|·|out_i|), which reaches dq = scale·ds·k and dk = scale·dsᵀ·q.
         Run on the float64 reference, the probe shows what that noise becomes in every grad it flows into (see
         tests/test_fuzz.py, attention_probe); ``bounds`` gets what it adds at most to this layer's q / kv grads (where
         random signs can cancel in a sum over few tokens)."""
         s, gen, unit = self.spec, self.probe, torch.finfo(torch.float32).eps
+        out_unit = max(unit, self.out_unit)
         scale = s.scale if s.scale is not None else s.head_dim**-0.5
         group = s.heads // s.kv_heads
         qd, od = q.detach(), out.detach()
@@ -675,7 +678,7 @@ class Attention(nn.Module):
         noise = {}
 
         def on_out(g: torch.Tensor) -> None:
-            size = g.abs() @ vd.abs().transpose(-1, -2) + (g.abs() * od.abs()).sum(-1, keepdim=True)
+            size = g.abs() @ vd.abs().transpose(-1, -2) + (g.abs() * od.abs()).sum(-1, keepdim=True) * out_unit / unit
             sign = torch.randint(0, 2, size.shape, generator=gen, dtype=size.dtype) * 2 - 1
             ds = unit * p * size
 
