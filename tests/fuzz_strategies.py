@@ -547,6 +547,7 @@ class AttnSpec:
     pad_long: bool = False  # the padding mask is int64 (0 / 1), read through .bool()
     docs: str | None = None  # "input" (doc ids) or "from_pos" (HF's find_packed_sequence_indices)
     chunk: int | None = None  # chunked local attention: c = arange(N) // chunk per token, c_q == c_kv
+    chunk_overlay: bool = False  # chunks as HF's chunked_overlay spells them: after each row's left padding
     indexing: str = "broadcast"  # per-token tensors read as t[:, None, :, None] or t[b_idx, q_idx] (HF)
     frame: str = "4d"  # index atoms as [N, N] ("2d") or [1, 1, N, N] ("4d")
     combine: str = "&"
@@ -582,7 +583,7 @@ class AttnSpec:
         if self.docs:
             parts.append(f"docs({self.docs})")
         if self.chunk is not None:
-            parts.append("chunks")
+            parts.append("chunks(overlay)" if self.chunk_overlay else "chunks")
         return "+".join(parts)
 
     @property
@@ -597,6 +598,13 @@ class AttnSpec:
         if self.near_miss == "random":
             names.append("rmask")
         return tuple(names)
+
+
+def _left_pads(pad: torch.Tensor | None, b: int, device) -> torch.Tensor:
+    """[B] each row's leading padding tokens, as HF's create_chunked_causal_mask counts them (zeros without padding)."""
+    if pad is None:
+        return torch.zeros(b, dtype=torch.long, device=device)
+    return (pad.cumsum(dim=-1) == torch.zeros_like(pad, dtype=torch.long)).sum(dim=-1)
 
 
 def _bhqk(b: int, n: int, heads: int, device) -> tuple[torch.Tensor, ...]:
@@ -790,7 +798,11 @@ class Attention(nn.Module):
             d = doc if s.docs == "input" else _packed_sequence_indices(pos)
             dq, dk = self.tokens(d, b, n, device)
             atoms.append(dq == dk)
-        if s.chunk is not None:
+        if s.chunk is not None and s.chunk_overlay:  # (kv - lp[b]) // C == (q - lp[b]) // C, HF's spelling
+            bi, _, qi, ki = _bhqk(b, n, 1, device)
+            lp = _left_pads(pad, b, device)
+            atoms.append((ki - lp[bi]) // s.chunk == (qi - lp[bi]) // s.chunk)
+        elif s.chunk is not None:
             c = torch.arange(n, device=device) // s.chunk
             if s.indexing == "gather":
                 _, _, qi, ki = _bhqk(b, n, 1, device)
@@ -832,7 +844,9 @@ class Attention(nn.Module):
             packed = doc if s.docs == "input" else MU.find_packed_sequence_indices(pos)
             if packed is not None:  # None: eager found one document per row (no constraint)
                 fn = MU.and_masks(fn, MU.packed_sequence_mask_function(packed))
-        if s.chunk is not None:
+        if s.chunk is not None and s.chunk_overlay:
+            fn = MU.and_masks(fn, MU.chunked_overlay(s.chunk, _left_pads(pad, b, device)))
+        elif s.chunk is not None:
             c = torch.arange(n, device=device) // s.chunk
             fn = MU.and_masks(fn, lambda bi, hi, qi, ki: c[qi] == c[ki])
         if s.near_miss == "or":  # an attention sink
@@ -951,6 +965,7 @@ def attn_specs(draw, *, near_miss: str | None = None) -> AttnSpec:
         pad_long=draw(st.booleans()),
         docs=docs,
         chunk=chunk,
+        chunk_overlay=chunk is not None and builder != "hf_vmap" and draw(st.booleans()),
         indexing=draw(st.sampled_from(["broadcast", "gather"])),
         frame=draw(st.sampled_from(["2d", "4d"])),
         combine=draw(st.sampled_from(ATTN_COMBINE)),
