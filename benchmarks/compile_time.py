@@ -22,8 +22,9 @@ Columns (seconds of wall time unless named cpu; phases summed over every call, r
   evals      symbolic evaluations (ShapeEnv.evaluate_expr) during Dynamo's tracing / our passes / the rest
   next       the step at the second length (dynamic only) and how many frames it compiled
 
-usage (GPU, the 1.5B step at 16k, the issue 26 table; about 7 minutes on an H200):
-  python benchmarks/compile_time.py --out benchmarks/results/compile_time.md
+usage (GPU, the 1.5B step at 16k, the issue 26 table; under 8 minutes on an H200: two variants at a time, the
+two of the acceptance ratio, tilecompile dynamic and Inductor static, side by side; --budget cuts what is left):
+  python3 benchmarks/compile_time.py --jobs 2 --out benchmarks/results/compile_time.md
 usage (CPU, the same module graph at tiny widths, aot_eager as the inner compiler):
   python benchmarks/compile_time.py --device cpu --tiny --inner aot_eager --lengths 64,96 --out /tmp/ct.md
 """
@@ -45,7 +46,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import e2e  # noqa: E402
 
 ROW = "ROW "
-DEFAULT_VARIANTS = "tilecompile:dynamic,tilecompile:static,inductor:static,inductor:dynamic"
+# side by side in pairs (--jobs 2): the two of the issue 26 ratio together, then the other two
+DEFAULT_VARIANTS = "tilecompile:dynamic,inductor:static,tilecompile:static,inductor:dynamic"
 PHASES = {  # column -> Dynamo's timer names (torch._dynamo.utils.compilation_time_metrics)
     "dynamo": ("bytecode_tracing",),
     "aot": ("aot_collect_metadata", "aot_trace_joint_graph"),
@@ -242,6 +244,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _collect(variant: str, proc: subprocess.Popen, timeout: int) -> dict:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return dict(variant=variant, error="over the --budget")
+    found = [json.loads(line[len(ROW) :]) for line in stdout.splitlines() if line.startswith(ROW)]
+    return found[0] if found else dict(variant=variant, error=" ".join(stderr.strip().splitlines()[-1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="", help="Markdown table (and the rows as JSON lines beside it, .jsonl)")
@@ -253,7 +266,8 @@ def main() -> None:
     ap.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager", "eager"))
     ap.add_argument("--options", default="", help="KEY=VALUE[,KEY=VALUE] tilecompile options (e.g. ce_loss_aware=0)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--timeout", type=int, default=400, help="seconds per variant")
+    ap.add_argument("--budget", type=int, default=450, help="seconds for all variants; one still running is cut")
+    ap.add_argument("--jobs", type=int, default=1, help="variants run side by side (1: one after the other)")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -265,25 +279,26 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows, started = [], time.perf_counter()
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+    procs = {}
+    for variant in variants:
         cfg = dict(variant=variant, model=args.model, tiny=args.tiny, layers=layers, inner=args.inner,
                    options=options, device=args.device, lengths=[int(x) for x in args.lengths.split(",")])  # fmt: skip
         cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
-            found = [json.loads(line[len(ROW) :]) for line in proc.stdout.splitlines() if line.startswith(ROW)]
-            row = found[0] if found else dict(variant=variant, error=" ".join(proc.stderr.strip().splitlines()[-1:]))
-        except subprocess.TimeoutExpired:
-            row = dict(variant=variant, error=f"over {args.timeout} s")
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        text = table(rows)
-        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        tiny = ", tiny" if args.tiny else ""
-        head = f"{args.model}, {layers} layers{tiny}, lengths {args.lengths}, inner {args.inner}"
-        out.write_text(f"{head}, {when}\n\n{text}\n")
-        out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        procs[variant] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        if len(procs) >= args.jobs or variant == variants[-1]:  # a batch of --jobs variants runs side by side
+            for name, proc in procs.items():
+                left = args.budget - (time.perf_counter() - started)
+                rows.append(_collect(name, proc, max(1, int(left))))
+                print(json.dumps(rows[-1]), flush=True)
+            procs = {}
+            text = table(rows)
+            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            tiny = ", tiny" if args.tiny else ""
+            head = f"{args.model}, {layers} layers{tiny}, lengths {args.lengths}, inner {args.inner}, jobs {args.jobs}"
+            out.write_text(f"{head}, {when}\n\n{text}\n")
+            out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(text)
     print(f"wrote {out} ({time.perf_counter() - started:.0f} s)")
 
