@@ -8,8 +8,9 @@ show there). Variants: ``<compiler>:<static|dynamic>`` with compiler ``tilecompi
 Inductor variants turn off mix-order reduction, as the backend does (tilecompile/backend.py,
 ``dynamic_workarounds``).
 
-Columns (seconds of wall time unless named cpu; phases summed over every call, restarts included):
-  first      the first step, fwd+bwd, compile included (cpu: its process CPU time)
+Columns (seconds of wall time, or of this process's CPU time with ``--clock cpu``; phases summed over every call,
+restarts included):
+  first      the first step, fwd+bwd, compile included (cpu: its process CPU time, whatever the clock)
   attempts   backend calls for the step's frames; restarts = attempts - graphs (Dynamo traced the frame again)
   dynamo     Dynamo's bytecode tracing (``bytecode_tracing``)
   passes     tilecompile's passes (tilecompile/pipeline.py TIMES; per pass in the JSON), undo snapshots included
@@ -26,7 +27,7 @@ usage (GPU, the 1.5B step at 16k, the issue 26 table; under 8 minutes on an H200
 two of the acceptance ratio, tilecompile dynamic and Inductor static, side by side; --budget cuts what is left):
   python3 benchmarks/compile_time.py --jobs 2 --out benchmarks/results/compile_time.md
 usage (CPU, the same module graph at tiny widths, aot_eager as the inner compiler):
-  python benchmarks/compile_time.py --device cpu --tiny --inner aot_eager --lengths 64,96 --out /tmp/ct.md
+  python benchmarks/compile_time.py --device cpu --tiny --inner aot_eager --lengths 64,96 --clock cpu --out /tmp/ct.md
 """
 
 from __future__ import annotations
@@ -107,8 +108,24 @@ def _metrics_since(marks: dict[str, int], until: dict[str, int] | None = None) -
     return out
 
 
+class _CpuClock:
+    """``time`` for torch._dynamo.utils with ``time_ns`` reading this process's CPU time: Dynamo's phase timers
+    then count CPU seconds (``--clock cpu``: a shared machine, where wall time measures the neighbours)."""
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    @staticmethod
+    def time_ns() -> int:
+        return time.process_time_ns()
+
+
 def worker(cfg: dict) -> None:
+    import torch._dynamo.utils as dynamo_utils
     from torch._dynamo.utils import counters
+
+    if cfg["clock"] == "cpu":
+        dynamo_utils.time = _CpuClock()
 
     import tilecompile
     from tilecompile import backend as TB
@@ -120,6 +137,7 @@ def worker(cfg: dict) -> None:
     device = torch.device(cfg["device"])
     torch._inductor.config.force_disable_caches = True
     _Evals.install()
+    clock = time.process_time if cfg["clock"] == "cpu" else time.perf_counter
     model, _ = e2e.build(cfg["model"], cfg["tiny"], cfg["layers"], True, False, device)
 
     # the loss-aware gradient's own compile: its Dynamo/AOT/Inductor timers are taken out of the step's
@@ -133,11 +151,11 @@ def worker(cfg: dict) -> None:
         def timed(*a):
             if k in FLCE._COMPILED:
                 return run(*a)
-            start, marks = time.perf_counter(), _metrics_marks()
+            start, marks = clock(), _metrics_marks()
             try:
                 return run(*a)
             finally:
-                loss_grad["s"] += time.perf_counter() - start
+                loss_grad["s"] += clock() - start
                 loss_grad["compiles"] += 1
                 loss_grad["marks"].append((marks, _metrics_marks()))
 
@@ -151,7 +169,7 @@ def worker(cfg: dict) -> None:
         fake = torch._guards.detect_fake_mode(example_inputs)
         env = getattr(fake, "shape_env", None)
         guards = len(env.guards) if env is not None else 0
-        start = time.perf_counter()
+        start = clock()
         try:
             with _Evals.during("backend"):
                 if compiler == "tilecompile":
@@ -168,7 +186,7 @@ def worker(cfg: dict) -> None:
                 return aot_eager(gm, example_inputs)
         finally:
             added = (len(env.guards) - guards) if env is not None else 0
-            calls.append(dict(s=time.perf_counter() - start, guards=added))
+            calls.append(dict(s=clock() - start, guards=added))
 
     orig_run_passes = TB.run_passes
 
@@ -191,7 +209,8 @@ def worker(cfg: dict) -> None:
         step(*batch).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        return (cpu if cfg["clock"] == "cpu" else wall), cpu
 
     lengths = cfg["lengths"] if dynamic else cfg["lengths"][:1]
     row = dict(variant=cfg["variant"], model=cfg["model"], tiny=int(cfg["tiny"]), layers=model.config.num_hidden_layers,
@@ -211,7 +230,8 @@ def worker(cfg: dict) -> None:
     row.update(
         first=round(first, 2), cpu=round(cpu, 2), attempts=len(calls), graphs=graphs,
         restarts=len(calls) - graphs, frames=frames,
-        passes=round(sum(t.wall_s for n, t in pipeline.TIMES.items() if n in pipeline.PASS_ORDER), 2),
+        passes=round(sum(t.cpu_s if cfg["clock"] == "cpu" else t.wall_s
+                         for n, t in pipeline.TIMES.items() if n in pipeline.PASS_ORDER), 2),
         pass_times={n: [t.runs, round(t.wall_s, 3), round(t.cpu_s, 3)] for n, t in pipeline.TIMES.items()},
         loss_grad=round(loss_grad["s"], 2), loss_grad_compiles=loss_grad["compiles"],
         guards=sum(c["guards"] for c in calls), evals=dict(_Evals.counts),
@@ -267,6 +287,7 @@ def main() -> None:
     ap.add_argument("--options", default="", help="KEY=VALUE[,KEY=VALUE] tilecompile options (e.g. ce_loss_aware=0)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--budget", type=int, default=450, help="seconds for all variants; one still running is cut")
+    ap.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="cpu: process CPU s (shared machines)")
     ap.add_argument("--jobs", type=int, default=1, help="variants run side by side (1: one after the other)")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -283,7 +304,8 @@ def main() -> None:
     procs = {}
     for variant in variants:
         cfg = dict(variant=variant, model=args.model, tiny=args.tiny, layers=layers, inner=args.inner,
-                   options=options, device=args.device, lengths=[int(x) for x in args.lengths.split(",")])  # fmt: skip
+                   options=options, device=args.device, clock=args.clock,
+                   lengths=[int(x) for x in args.lengths.split(",")])  # fmt: skip
         cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         procs[variant] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -296,7 +318,8 @@ def main() -> None:
             text = table(rows)
             when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             tiny = ", tiny" if args.tiny else ""
-            head = f"{args.model}, {layers} layers{tiny}, lengths {args.lengths}, inner {args.inner}, jobs {args.jobs}"
+            head = f"{args.model}, {layers} layers{tiny}, lengths {args.lengths}, inner {args.inner}"
+            head += f", jobs {args.jobs}, {args.clock} seconds"
             out.write_text(f"{head}, {when}\n\n{text}\n")
             out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(text)
