@@ -4,7 +4,9 @@ The step is benchmarks/e2e.py's (the HF model built there, activation checkpoint
 fwd+bwd). Each variant runs in its own process (a cold start: Inductor's caches off, Dynamo fresh) and is timed over
 its first step (compilation included), then once more at a second length under dynamic=True (a recompile would
 show there). Variants: ``<compiler>:<static|dynamic>`` with compiler ``tilecompile`` (our passes, then
-``--inner``), ``inductor`` or ``aot_eager`` (the floor: the same step without our passes). Under dynamic=True the
+``--inner``), ``inductor`` or ``aot_eager`` (the floor: the same step without our passes);
+``tilecompile:dynamic:restart`` is the backend without its float specialization (tilecompile/backend.py,
+``specialize_untensorifiable_floats``): Dynamo's restart, as before, to measure what that saves. Under dynamic=True the
 Inductor variants turn off mix-order reduction, as the backend does (tilecompile/backend.py,
 ``dynamic_workarounds``).
 
@@ -132,8 +134,10 @@ def worker(cfg: dict) -> None:
     from tilecompile import pipeline
     from tilecompile.ops import fused_linear_ce as FLCE
 
-    compiler, shapes = cfg["variant"].split(":")
+    compiler, shapes, *how = cfg["variant"].split(":")
     dynamic = shapes == "dynamic"
+    if how == ["restart"]:  # as before the backend specialized floats itself: Dynamo restarts for them
+        TB.specialize_untensorifiable_floats = lambda gm: []
     device = torch.device(cfg["device"])
     torch._inductor.config.force_disable_caches = True
     _Evals.install()
