@@ -6,9 +6,8 @@ its first step (compilation included), then once more at a second length under d
 show there). Variants: ``<compiler>:<static|dynamic>`` with compiler ``tilecompile`` (our passes, then
 ``--inner``), ``inductor`` or ``aot_eager`` (the floor: the same step without our passes);
 ``tilecompile:dynamic:restart`` is the backend without its float specialization (tilecompile/backend.py,
-``specialize_untensorifiable_floats``): Dynamo's restart, as before, to measure what that saves. Under dynamic=True the
-Inductor variants turn off mix-order reduction, as the backend does (tilecompile/backend.py,
-``dynamic_workarounds``).
+``specialize_untensorifiable_floats``): Dynamo's restart, as before, to measure what that saves. Under
+dynamic=True the Inductor variants turn off mix-order reduction, as the backend does (``dynamic_workarounds``).
 
 Columns (seconds of wall time, or of this process's CPU time with ``--clock cpu``; phases summed over every call,
 restarts included):

@@ -45,8 +45,7 @@ def tilecompile_backend(
     with R.discarded_on(torch._dynamo.exc.RestartAnalysis):
         R.count_graph()
         graph_name = f"graph {R.report().graphs}"
-        if is_dynamic(example_inputs):
-            specialize_untensorifiable_floats(gm)
+        _specialize_floats(gm, settings.strict)
         gm = run_passes(gm, settings, graph_name)
         return _inner_compile(gm, example_inputs, settings.inner, mode, inductor_options)
 
@@ -113,6 +112,16 @@ def is_dynamic(example_inputs: Sequence[Any]) -> bool:
         if isinstance(x, torch.Tensor) and any(not isinstance(s, int) for s in x.shape):
             return True
     return False
+
+
+def _specialize_floats(gm: fx.GraphModule, strict: bool) -> None:
+    """``specialize_untensorifiable_floats``; should it fail (torch's internals differ), Dynamo restarts as before."""
+    try:
+        specialize_untensorifiable_floats(gm)
+    except Exception as exc:  # noqa: BLE001 - a missed saving, never a failed compile
+        if strict:
+            raise
+        log.info("floats not specialized before AOTAutograd (%s: %s); Dynamo may restart", type(exc).__name__, exc)
 
 
 def specialize_untensorifiable_floats(gm: fx.GraphModule) -> list[str]:
