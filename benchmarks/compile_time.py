@@ -50,6 +50,14 @@ import e2e  # noqa: E402
 ROW = "ROW "
 # side by side in pairs (--jobs 2): the two of the issue 26 ratio together, then the other two
 DEFAULT_VARIANTS = "tilecompile:dynamic,inductor:static,tilecompile:static,inductor:dynamic"
+RATIOS = (  # (ours, the floor) of the first step, printed under the table when both ran
+    ("tilecompile:dynamic", "inductor:static"),
+    ("tilecompile:dynamic", "inductor:dynamic"),
+    ("tilecompile:static", "inductor:static"),
+    ("tilecompile:dynamic", "tilecompile:dynamic:restart"),
+    ("tilecompile:dynamic", "aot_eager:dynamic"),
+    ("tilecompile:static", "aot_eager:static"),
+)
 PHASES = {  # column -> Dynamo's timer names (torch._dynamo.utils.compilation_time_metrics)
     "dynamo": ("bytecode_tracing",),
     "aot": ("aot_collect_metadata", "aot_trace_joint_graph"),
@@ -264,6 +272,10 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(cell(r, c) for c in cols) + " |")
+    first = {r["variant"]: r["first"] for r in rows if "first" in r}
+    for ours, floor in RATIOS:
+        if ours in first and floor in first and first[floor]:
+            lines.append(f"\n{ours} / {floor}, first step: {first[ours] / first[floor]:.2f}x")
     return "\n".join(lines)
 
 
