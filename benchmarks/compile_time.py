@@ -252,8 +252,9 @@ def worker(cfg: dict) -> None:
         row[column] = round(sum(metrics.get(n, 0.0) for n in names), 2)
     row["timers"] = {k: round(v, 2) for k, v in sorted(metrics.items(), key=lambda kv: -kv[1]) if v >= 0.05}
     if dynamic and len(lengths) > 1:
-        next_s, _ = run(lengths[1])
-        row.update(next_len=lengths[1], next=round(next_s, 2), next_frames=counters["frames"]["ok"] - frames)
+        next_s, next_cpu = run(lengths[1])
+        row.update(next_len=lengths[1], next=round(next_s, 2), next_cpu=round(next_cpu, 2),
+                   next_frames=counters["frames"]["ok"] - frames)  # fmt: skip
     print(ROW + json.dumps(row), flush=True)
 
 
