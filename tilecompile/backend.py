@@ -45,6 +45,7 @@ def tilecompile_backend(
     with R.discarded_on(torch._dynamo.exc.RestartAnalysis):
         R.count_graph()
         graph_name = f"graph {R.report().graphs}"
+        _specialize_floats(gm, settings.strict)
         gm = run_passes(gm, settings, graph_name)
         return _inner_compile(gm, example_inputs, settings.inner, mode, inductor_options)
 
@@ -111,6 +112,94 @@ def is_dynamic(example_inputs: Sequence[Any]) -> bool:
         if isinstance(x, torch.Tensor) and any(not isinstance(s, int) for s in x.shape):
             return True
     return False
+
+
+def _specialize_floats(gm: fx.GraphModule, strict: bool) -> None:
+    """``specialize_untensorifiable_floats``; should it fail (torch's internals differ), Dynamo restarts as before."""
+    try:
+        specialize_untensorifiable_floats(gm)
+    except Exception as exc:  # noqa: BLE001 - a missed saving, never a failed compile
+        if strict:
+            raise
+        log.info("floats not specialized before AOTAutograd (%s: %s); Dynamo may restart", type(exc).__name__, exc)
+
+
+def specialize_untensorifiable_floats(gm: fx.GraphModule) -> list[str]:
+    """Specialize now the symbolic floats that AOTAutograd would make Dynamo restart for; returns their symbols.
+
+    Under ``dynamic=True`` a float attribute enters the Dynamo graph as a 0-d tensor placeholder and ``.item()``.
+    After tracing the joint graph, AOTAutograd's ``_tensorify_python_scalars`` turns a float used in tensor math
+    into a tensor; a float that no traced node uses as a scalar operand cannot be, so it raises
+    ``RestartAnalysis``: Dynamo traces the frame again with the float specialized (guarded on its value), and the
+    passes and AOTAutograd run a second time. Every HF model pays that: ``F.embedding`` drops ``norm_type`` unless
+    ``max_norm`` is set, and SDPA's ``scale`` and ``dropout_p`` are C++ doubles (specialized where they enter the
+    op). For a float whose every use is one of those arguments (followed into activation-checkpoint bodies), this
+    does what the restart would do, before the passes run: ``guard_scalar`` (the same value guard) and
+    ``TensorifyState.specialize``, so that AOTAutograd does not restart for it. The graph is left as it is.
+    """
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+    done = []
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        memo = getattr(ph.meta.get("example_value"), "item_memo", None)
+        symbol = getattr(getattr(memo, "node", None), "_expr", None)
+        if not isinstance(memo, torch.SymFloat) or not hasattr(symbol, "name") or not ph.users:
+            continue
+        if TensorifyState.should_specialize(symbol.name) or not _only_double_uses(gm, ph):
+            continue
+        guard_scalar(memo)
+        TensorifyState.specialize(symbol.name)
+        done.append(symbol.name)
+    if done:
+        log.debug("specialized floats %s (no tensor math uses them) before AOTAutograd, not by a restart", done)
+    return done
+
+
+# (target, positional index, keyword) of arguments that reach ATen as a double, or not at all
+_DOUBLE_ARGS = (
+    (torch.nn.functional.embedding, 4, "norm_type"),  # used only with max_norm (checked below)
+    (torch.nn.functional.scaled_dot_product_attention, 4, "dropout_p"),
+    (torch.nn.functional.scaled_dot_product_attention, 6, "scale"),
+)
+_BODY_HOPS = ("tag_activation_checkpoint", "wrap")  # (body, *operands): operand i is the body's placeholder i
+
+
+def _only_double_uses(gm: fx.GraphModule, value: fx.Node) -> bool:
+    """Every use of the 0-d tensor ``value`` is ``.item()`` fed only to ``_DOUBLE_ARGS``, or an operand of a
+    checkpoint body in which the same holds for its placeholder."""
+    for user in value.users:
+        if user.op == "call_method" and user.target == "item" and len(user.args) == 1:
+            if not user.users or not all(_is_double_arg(u, user) for u in user.users):
+                return False
+        elif user.op == "call_function" and getattr(user.target, "__name__", "") in _BODY_HOPS:
+            body_attr = user.args[0] if user.args else None
+            body = getattr(gm, body_attr.target, None) if getattr(body_attr, "op", "") == "get_attr" else None
+            if not isinstance(body, fx.GraphModule) or value in user.kwargs.values():
+                return False
+            placeholders = list(body.graph.find_nodes(op="placeholder"))
+            if len(placeholders) != len(user.args) - 1:
+                return False
+            uses = [placeholders[i - 1] for i, a in enumerate(user.args) if a is value]
+            if not all(_only_double_uses(body, ph) for ph in uses):
+                return False
+        else:
+            return False
+    return True
+
+
+def _is_double_arg(user: fx.Node, item: fx.Node) -> bool:
+    if user.op != "call_function":
+        return False
+    slots = [(i, k) for target, i, k in _DOUBLE_ARGS if user.target is target]
+    allowed = {i for i, _ in slots} | {k for _, k in slots}
+    where = {i for i, a in enumerate(user.args) if a is item} | {k for k, a in user.kwargs.items() if a is item}
+    if not slots or not where or not where <= allowed:
+        return False
+    if user.target is torch.nn.functional.embedding:  # norm_type only matters with max_norm
+        max_norm = user.args[3] if len(user.args) > 3 else user.kwargs.get("max_norm")
+        return max_norm is None
+    return True
 
 
 def dynamic_workarounds(example_inputs: Sequence[Any], options: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import importlib
 import logging
+import time
 import warnings
 from typing import Any
 
@@ -28,6 +29,39 @@ log = logging.getLogger("tilecompile")
 
 PASS_ORDER = ("tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp")
 _EXPECTED = "tilecompile_expected"
+
+
+@dataclasses.dataclass
+class PassTime:
+    """How often a pass ran over a root graph (its nested graphs included) and the CPU / wall seconds it took,
+    the pipeline's checks of its rewrites (lint, fake-run, recompile) and its undo snapshot included."""
+
+    runs: int = 0
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+
+# pass name -> PassTime since the last ``reset_times()``, and "snapshot" (the undo copies) and "check" (the checks of
+# the rewrites), both also counted in their pass's; benchmarks/compile_time.py prints them
+TIMES: dict[str, PassTime] = {}
+
+
+def reset_times() -> None:
+    TIMES.clear()
+
+
+class _Timed:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.cpu, self.wall = time.process_time(), time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        t = TIMES.setdefault(self.name, PassTime())
+        t.runs += 1
+        t.cpu_s += time.process_time() - self.cpu
+        t.wall_s += time.perf_counter() - self.wall
 
 
 class PassFailed(RuntimeError):
@@ -97,40 +131,47 @@ def _run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str) -> fx.G
             if check_off is not None:
                 check_off(gm)
             continue
+        with _Timed(name):
+            _run_pass(gm, name, settings, graph_name)
+    return gm
+
+
+def _run_pass(gm: fx.GraphModule, name: str, settings: Settings, graph_name: str) -> None:
+    with _Timed("snapshot"):
         saved = {sub_name: snapshot_graph(sub.graph) for sub_name, sub in G.graph_modules(gm)}
-        try:
-            result = PassResult()
-            module = load_pass(name)
-            for sub_name, sub in G.graph_modules(gm):
-                result.extend(module.run(sub, PassContext(settings, sub_name)))
-            for what in result.undecided():  # a candidate dropped without a reason: a bug of the pass
-                if settings.strict:
-                    raise PassFailed(f"{what} was looked at and dropped without a reason")
-                result.skipped.append(R.Skip(name, what, "", "dropped without a reason (a bug in the pass)"))
+    try:
+        result = PassResult()
+        module = load_pass(name)
+        for sub_name, sub in G.graph_modules(gm):
+            result.extend(module.run(sub, PassContext(settings, sub_name)))
+        for what in result.undecided():  # a candidate dropped without a reason: a bug of the pass
+            if settings.strict:
+                raise PassFailed(f"{what} was looked at and dropped without a reason")
+            result.skipped.append(R.Skip(name, what, "", "dropped without a reason (a bug in the pass)"))
+        with _Timed("check"):
             for _, sub in G.graph_modules(gm):
                 sub.graph.lint()
                 check_rewritten_nodes(sub)
                 sub.recompile()
-        except Exception as exc:  # noqa: BLE001 - any failure of a pass undoes it
-            _restore(gm, saved)
-            if getattr(exc, "undo_is_unsafe", False):  # e.g. a sharded graph left without its collectives
-                raise
-            reason = f"{type(exc).__name__}: {exc}"
-            R.record(failures=[R.Failure(name, graph_name, reason)])
-            if settings.strict:
-                raise PassFailed(f"tilecompile pass {name!r} failed on {graph_name}: {reason}") from exc
-            warnings.warn(
-                f"tilecompile: pass {name!r} failed on {graph_name} and was undone; the graph compiles without it "
-                f"({reason}). Set TILECOMPILE_STRICT=1 to raise instead.",
-                stacklevel=2,
-            )
-            continue
-        R.record(rewrites=result.rewrites, skipped=result.skipped)
-        for r in result.rewrites:
-            log.info("%s rewrote %s %s", name, r.module_path or "<root>", r.shapes)
-        for s in result.skipped:
-            log.info("%s skipped %s at %s: %s", name, s.candidate, s.module_path or "<root>", s.reason)
-    return gm
+    except Exception as exc:  # noqa: BLE001 - any failure of a pass undoes it
+        _restore(gm, saved)
+        if getattr(exc, "undo_is_unsafe", False):  # e.g. a sharded graph left without its collectives
+            raise
+        reason = f"{type(exc).__name__}: {exc}"
+        R.record(failures=[R.Failure(name, graph_name, reason)])
+        if settings.strict:
+            raise PassFailed(f"tilecompile pass {name!r} failed on {graph_name}: {reason}") from exc
+        warnings.warn(
+            f"tilecompile: pass {name!r} failed on {graph_name} and was undone; the graph compiles without it "
+            f"({reason}). Set TILECOMPILE_STRICT=1 to raise instead.",
+            stacklevel=4,
+        )
+        return
+    R.record(rewrites=result.rewrites, skipped=result.skipped)
+    for r in result.rewrites:
+        log.info("%s rewrote %s %s", name, r.module_path or "<root>", r.shapes)
+    for s in result.skipped:
+        log.info("%s skipped %s at %s: %s", name, s.candidate, s.module_path or "<root>", s.reason)
 
 
 def snapshot_graph(graph: fx.Graph) -> fx.Graph:

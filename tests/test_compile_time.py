@@ -1,0 +1,122 @@
+"""Compile time under dynamic shapes: the backend and its passes run once per graph, not once per Dynamo restart."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, compile_options
+from torch._dynamo.utils import counters
+
+import tilecompile
+from tilecompile import backend, pipeline
+
+
+class Block(torch.nn.Module):
+    """An HF-style layer under activation checkpointing: SDPA fed float attributes, an RMSNorm eps, a gated MLP."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.scaling, self.dropout, self.eps = heads, (d // heads) ** -0.5, 0.0, 1e-6
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.gate, self.up = torch.nn.Linear(d, 24, bias=False), torch.nn.Linear(d, 24, bias=False)
+        self.down = torch.nn.Linear(24, d, bias=False)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.qkv(h).chunk(3, -1))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, scale=self.scaling, is_causal=True)
+        x = x + a.transpose(1, 2).reshape(b, n, d)
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, vocab: int = 50, d: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x.float().pow(2).mean()
+
+
+def _runs(monkeypatch) -> list:
+    runs = []
+    monkeypatch.setattr(backend, "run_passes", lambda gm, *a: runs.append(gm) or pipeline.run_passes(gm, *a))
+    return runs
+
+
+def test_dynamic_hf_style_step_compiles_without_a_restart(monkeypatch):
+    """Embedding's norm_type and SDPA's scale / dropout_p are floats AOTAutograd cannot turn into tensors: without
+    the backend specializing them first, Dynamo restarts and the passes and AOTAutograd run twice."""
+    runs = _runs(monkeypatch)
+    model = Model()
+    ref = Model()
+    ref.load_state_dict(model.state_dict())
+    f = torch.compile(model, backend="tilecompile", dynamic=True, options=compile_options())
+    for n in (7, 11):  # one compile serves both lengths
+        ids = torch.randint(0, 50, (2, n))
+        for p in (*model.parameters(), *ref.parameters()):
+            p.grad = None
+        out, expected = f(ids), ref(ids)
+        out.backward()
+        expected.backward()
+        assert_close(out, expected, rtol=1e-5, atol=1e-6, name=f"loss at {n}")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, name=f"grad of {name} at {n}")
+    assert len(runs) == 1, f"the passes ran {len(runs)} times for one graph (a Dynamo restart)"
+    assert counters["aot_autograd"]["total"] == 1 and counters["frames"]["ok"] == 1, dict(counters["aot_autograd"])
+    rep = tilecompile.report()
+    assert rep.graphs == 1 and rep.counts["tiled_mlp"] == 2, rep
+
+
+def test_specialized_floats_keep_their_guards(monkeypatch):
+    """What the restart did, the backend does: the specialized float is guarded on its value (a change recompiles
+    and computes with the new value); a float in tensor math (the norm's eps) stays symbolic (no recompile)."""
+    specialized = []
+    spec = backend.specialize_untensorifiable_floats
+    monkeypatch.setattr(backend, "specialize_untensorifiable_floats", lambda gm: specialized.extend(spec(gm)) or [])
+    model = Model()
+    f = torch.compile(model, backend="tilecompile", dynamic=True, options=compile_options())
+    ids = torch.randint(0, 50, (2, 9))
+    f(ids).backward()
+    assert len(specialized) == 5, specialized  # norm_type, and each layer's scale and dropout_p
+    frames = counters["frames"]["ok"]
+    for block in model.blocks:
+        block.eps = 1e-3
+    assert_close(f(ids), model(ids), rtol=1e-5, atol=1e-6, name="loss after eps changed")
+    assert counters["frames"]["ok"] == frames, "a float used in tensor math was specialized"
+    for block in model.blocks:
+        block.scaling = 0.5
+    assert_close(f(ids), model(ids), rtol=1e-5, atol=1e-6, name="loss after scale changed")
+    assert counters["frames"]["ok"] == frames + 1, "the specialized scale lost its guard"
+
+
+def test_pass_times_count_each_pass_once_per_graph():
+    pipeline.reset_times()
+    f = torch.compile(Model(), backend="tilecompile", dynamic=True, options=compile_options())
+    f(torch.randint(0, 50, (2, 9))).backward()
+    assert {name: t.runs for name, t in pipeline.TIMES.items()} == {
+        **dict.fromkeys(pipeline.PASS_ORDER, 1),
+        "snapshot": 4,
+        "check": 4,
+    }, pipeline.TIMES
+    assert all(t.cpu_s >= 0 and t.wall_s > 0 for t in pipeline.TIMES.values())
+
+
+def test_a_failing_specialization_costs_only_the_restart(monkeypatch):
+    """Should torch's internals differ, the backend compiles as before: Dynamo restarts, the step is right."""
+
+    def broken(gm):
+        raise AttributeError("no TensorifyState here")
+
+    monkeypatch.setattr(backend, "specialize_untensorifiable_floats", broken)
+    runs = _runs(monkeypatch)
+    model = Model()
+    f = torch.compile(model, backend="tilecompile", dynamic=True, options=compile_options(strict=False))
+    ids = torch.randint(0, 50, (2, 9))
+    assert_close(f(ids), model(ids), rtol=1e-5, atol=1e-6, name="loss")
+    assert len(runs) == 2, "the restart this test is about did not happen"
