@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import config, dynamo_compat
+from tilecompile import config, distributed, dynamo_compat
 from tilecompile import reporting as R
 from tilecompile.pipeline import run_passes
 
@@ -26,6 +26,7 @@ log = logging.getLogger("tilecompile")
 # loaded by torch.compile(backend="tilecompile") before Dynamo traces: a failing import in the traced code raises
 # ImportError there instead of breaking the graph (OpenRLHF's optional flash_attn import)
 dynamo_compat.install()
+distributed.install()  # a compiled DDP module: the passes see the whole graph before DDP's bucket split
 _LEVELS = {"warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 
 
