@@ -142,4 +142,43 @@ def install() -> bool:
     return True
 
 
-__all__ = ["install", "tilecompile_call"]
+class LossHead(torch.nn.Module):
+    """A causal LM and its loss in one module, laid out so that the lm_head and the loss share one graph under
+    FSDP2: ``LossHead(model, loss_fn)(input_ids, attention_mask, *args)`` runs the decoder
+    (``model.get_decoder()``), then ``model.get_output_embeddings()`` (the lm_head) and
+    ``loss_fn(logits, input_ids, attention_mask, *args)`` in its own ``forward``.
+
+    FSDP2 wraps each of its hooks in ``torch._dynamo.disable``, so a compile breaks the graph at every call of a
+    wrapped module; each function on the way (the user's step, ``LlamaForCausalLM.forward``, ``LlamaModel.forward``)
+    then compiles as graphs of its own, the lm_head ends one (its logits an output) and the loss starts another. Here
+    the break falls at the decoder call, and the rest of ``forward`` (lm_head, then the loss) resumes as one graph in
+    which the fused lm_head fires; each decoder layer's own graph gets the tiled MLP. Use it as the FSDP2 root::
+
+        head = tilecompile.LossHead(model, loss_fn)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(head, mesh=mesh)
+        step = torch.compile(head, backend="tilecompile")
+        loss = step(input_ids, attention_mask, *loss_args)
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Any) -> None:
+        super().__init__()
+        if not callable(getattr(model, "get_decoder", None)) or not callable(
+            getattr(model, "get_output_embeddings", None)
+        ):
+            raise TypeError(
+                f"LossHead needs a causal LM with get_decoder() and get_output_embeddings() (Hugging Face's); "
+                f"got {type(model).__name__}"
+            )
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any):
+        decoder = self.model.get_decoder()
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        logits = self.model.get_output_embeddings()(hidden)
+        return self.loss_fn(logits, input_ids, attention_mask, *args, **kwargs)
+
+
+__all__ = ["LossHead", "install", "tilecompile_call"]
