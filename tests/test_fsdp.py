@@ -1,5 +1,11 @@
 """FSDP2 (``fully_shard``) as verl and torchtitan wrap a model, on gloo (CPU) ranks.
 
+Per decoder layer and the root (``tilecompile.LossHead``, so that the lm_head and the loss share one graph), 2 ranks,
+each on its half of the batch, 3 AdamW steps: the loss, every gradient and the weights equal one process training on
+the whole batch (fp32); with bf16 mixed precision (bf16 params, fp32 reduce) the compiled step equals eager FSDP2 at
+bf16 tolerance. The fused lm_head (loss-aware) and the tiled MLP of every layer fire; the attention mask enters each
+layer's graph as an input, and the report says so.
+
 TP inside FSDP2 on torchtitan's 2-D mesh (dp=2 x tp=2, 4 ranks): ``tilecompile.parallelize`` cannot compose with
 ``fully_shard`` (FSDP2 swaps the parameters for DTensors and the shard records are lost), so both orders are
 refused with a clear error before any step runs, never a wrong loss.
@@ -12,9 +18,139 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import tilecompile
 from tilecompile import parallel as TP
+
+LAYERS, STEPS = 2, 3
+LR, EPS = 1e-2, 1e-5  # eps: see tests/test_ddp.py (a smooth AdamW step, so weights compare to lr / 1000)
+
+
+def loss_fn(logits, ids, mask, old_logp, adv):
+    """The PPO loss of tests/test_tensor_parallel.py on the logits (log-probs and entropy at temperature 0.9)."""
+    logits = logits[:, :-1] / 0.9
+    logp = torch.gather(F.log_softmax(logits, dim=-1), -1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = torch.logsumexp(logits, dim=-1) - (F.softmax(logits, dim=-1) * logits).sum(-1)
+    response = mask[:, 1:].float()
+    ratio = torch.exp(logp - old_logp)
+    pg = torch.maximum(-adv[:, None] * ratio, -adv[:, None] * ratio.clamp(0.8, 1.2))
+    return ((pg - 0.01 * entropy) * response).sum() / response.sum()
+
+
+def _halves():
+    from test_tensor_parallel import batch
+
+    ids, mask, old_logp, adv = batch(n=4, seq=8)
+    mask[2, :3] = 0  # a left-padded row in the second half
+    return [tuple(t[2 * h : 2 * h + 2] for t in (ids, mask, old_logp, adv)) for h in (0, 1)]
+
+
+def _reference(model, halves):
+    """One process, the whole batch (the mean of the halves' losses, as FSDP2 averages the gradients)."""
+    import copy
+
+    full = tilecompile.LossHead(copy.deepcopy(model), loss_fn)
+    opt = torch.optim.AdamW(full.parameters(), lr=LR, eps=EPS)
+    out = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = (full(*halves[0]) + full(*halves[1])) / 2
+        loss.backward()
+        out.append((loss.detach(), _snapshot(full)))
+        opt.step()
+    return out
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _snapshot(head):
+    return {n: (_full(p.detach()).clone(), _full(p.grad).clone()) for n, p in head.named_parameters()}
+
+
+def _train_fsdp(rank, model, halves, compiled, mp=None):
+    from helpers import compile_options
+    from torch.distributed.fsdp import fully_shard
+
+    head = tilecompile.LossHead(model, loss_fn)
+    kwargs = {"mp_policy": mp} if mp is not None else {}
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(head, **kwargs)
+    opt = torch.optim.AdamW(head.parameters(), lr=LR, eps=EPS)
+    torch._dynamo.reset()
+    tilecompile.reset()
+    step = torch.compile(head, backend="tilecompile", options=compile_options()) if compiled else head
+    out = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = step(*halves[rank])
+        loss.backward()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        out.append((total / 2, _snapshot(head)))
+        opt.step()
+    return out, tilecompile.report()
+
+
+def _compare(rank, got, expected, rtol, atol, param_atol):
+    from helpers import assert_close
+
+    for i, ((loss, state), (ref_loss, ref_state)) in enumerate(zip(got, expected)):
+        assert_close(loss, ref_loss, rtol=rtol, atol=atol, name=f"rank {rank} step {i} loss")
+        for name, (p, g) in state.items():
+            ref_p, ref_g = ref_state[name]
+            assert_close(g, ref_g, rtol=rtol * 10, atol=atol, name=f"rank {rank} step {i} grad of {name}")
+            if param_atol is not None:
+                assert_close(p, ref_p, rtol=0, atol=param_atol, name=f"rank {rank} step {i} {name}")
+
+
+def _check_rewrites(rep):
+    counts = rep.counts
+    assert (counts["fused_linear_ce"], counts["tiled_mlp"]) == (1, LAYERS), rep
+    assert any(r.pass_name == "fused_linear_ce" and "loss-aware" in r.detail for r in rep.rewrites), rep
+    mask_notes = [s for s in rep.skipped if s.pass_name == "attention" and "attn_mask" in s.reason]
+    assert mask_notes and "is an input of this graph" in mask_notes[0].reason, rep
+    assert not rep.failures, rep
+
+
+def check_fsdp_fp32(rank, world):
+    """fp32: the compiled FSDP2 step equals one process on the whole batch, 3 AdamW steps."""
+    from test_tensor_parallel import tiny
+
+    halves = _halves()
+    model = tiny("llama", layers=LAYERS)
+    expected = _reference(model, halves)
+    got, rep = _train_fsdp(rank, model, halves, compiled=True)
+    _check_rewrites(rep)
+    _compare(rank, got, expected, rtol=1e-5, atol=1e-6, param_atol=1e-3 * LR)
+
+
+def check_fsdp_bf16(rank, world):
+    """bf16 params, fp32 gradient reduction (verl's and torchtitan's mixed precision): the compiled step equals
+    eager FSDP2 with the same policy at bf16 tolerance."""
+    from test_tensor_parallel import tiny
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    halves = _halves()
+    model = tiny("qwen2", layers=LAYERS)
+    import copy
+
+    eager_model = copy.deepcopy(model)
+    expected, _ = _train_fsdp(rank, eager_model, halves, compiled=False, mp=mp)
+    got, rep = _train_fsdp(rank, model, halves, compiled=True, mp=mp)
+    _check_rewrites(rep)
+    # the weights are not compared: AdamW moves a weight whose bf16 gradient is near zero by up to lr either way;
+    # the losses and gradients of the later steps are computed on them
+    _compare(rank, got, expected, rtol=2e-2, atol=2e-3, param_atol=None)
+
+
+def scenario_two(rank, world):
+    check_fsdp_fp32(rank, world)
+    check_fsdp_bf16(rank, world)
 
 
 def _mesh_2d(world: int):
@@ -80,6 +216,11 @@ def spawn(world: int, name: str) -> None:
     from test_tensor_parallel import _free_port
 
     torch.multiprocessing.spawn(_entry, args=(world, _free_port(), name), nprocs=world, join=True)
+
+
+@pytest.mark.distributed
+def test_fsdp2_per_layer_and_root_two_ranks():
+    spawn(2, "scenario_two")
 
 
 @pytest.mark.distributed
