@@ -3,8 +3,10 @@
 Per decoder layer and the root (``tilecompile.LossHead``, so that the lm_head and the loss share one graph), 2 ranks,
 each on its half of the batch, 3 AdamW steps: the loss, every gradient and the weights equal one process training on
 the whole batch (fp32); with bf16 mixed precision (bf16 params, fp32 reduce) the compiled step equals eager FSDP2 at
-bf16 tolerance. The fused lm_head (loss-aware) and the tiled MLP of every layer fire; the attention mask enters each
-layer's graph as an input, and the report says so.
+bf16 tolerance. Every rewrite fires: the fused lm_head (loss-aware), and in every layer the attention (LossHead has
+each layer build HF's causal mask from the padding mask, so the pass reads it) and the tiled MLP. The references run
+HF's own sdpa masks, so the equality also covers the switch of mask building.
+Without LossHead (a whole-step compile of an FSDP2 model) the report names the logits and the mask crossing graphs.
 
 TP inside FSDP2 on torchtitan's 2-D mesh (dp=2 x tp=2, 4 ranks): ``tilecompile.parallelize`` cannot compose with
 ``fully_shard`` (FSDP2 swaps the parameters for DTensors and the shard records are lost), so both orders are
@@ -50,7 +52,7 @@ def _reference(model, halves):
     """One process, the whole batch (the mean of the halves' losses, as FSDP2 averages the gradients)."""
     import copy
 
-    full = tilecompile.LossHead(copy.deepcopy(model), loss_fn)
+    full = tilecompile.LossHead(copy.deepcopy(model), loss_fn, layer_masks=False)  # HF's own sdpa masks
     opt = torch.optim.AdamW(full.parameters(), lr=LR, eps=EPS)
     out = []
     for _ in range(STEPS):
@@ -74,7 +76,8 @@ def _train_fsdp(rank, model, halves, compiled, mp=None):
     from helpers import compile_options
     from torch.distributed.fsdp import fully_shard
 
-    head = tilecompile.LossHead(model, loss_fn)
+    head = tilecompile.LossHead(model, loss_fn, layer_masks=compiled)  # eager: HF's own masks, as the reference
+    assert head.layer_masks == compiled
     kwargs = {"mp_policy": mp} if mp is not None else {}
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
@@ -108,12 +111,15 @@ def _compare(rank, got, expected, rtol, atol, param_atol):
 
 
 def _check_rewrites(rep):
+    """Every rewrite fires, counted per module: the layers' graph (one, serving both layers) holds the attention
+    (its mask built there from the padding mask: masked_attention, a row is left-padded) and the tiled MLP."""
     counts = rep.counts
-    assert (counts["fused_linear_ce"], counts["tiled_mlp"]) == (1, LAYERS), rep
+    assert (counts["attention"], counts["fused_linear_ce"], counts["tiled_mlp"]) == (LAYERS, 1, LAYERS), rep
     assert any(r.pass_name == "fused_linear_ce" and "loss-aware" in r.detail for r in rep.rewrites), rep
-    mask_notes = [s for s in rep.skipped if s.pass_name == "attention" and "attn_mask" in s.reason]
-    assert mask_notes and "is an input of this graph" in mask_notes[0].reason, rep
-    assert not rep.failures, rep
+    attention = [r for r in rep.rewrites if r.pass_name == "attention"]
+    assert len(attention) == 1 and rep.modules(attention[0]) == LAYERS, rep  # one graph, two layers
+    assert "masked_attention" in attention[0].detail, rep
+    assert not rep.skipped and not rep.failures, rep
 
 
 def check_fsdp_fp32(rank, world):

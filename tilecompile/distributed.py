@@ -142,6 +142,57 @@ def install() -> bool:
     return True
 
 
+LAYER_MASK = "tilecompile_sdpa"  # the attention implementation LossHead gives an sdpa model
+
+
+def _layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                local_size=None, **kwargs):  # fmt: skip
+    """HF's mask function for ``LAYER_MASK``: the plain causal mask over a padding mask is left for each layer to
+    build (``_layer_attention`` gets the [B, N] padding mask, or None); anything else is HF's own sdpa mask."""
+    from transformers import masking_utils as mu
+
+    plain = mask_function is mu.causal_mask_function and local_size is None
+    plain = plain and isinstance(q_offset, int) and q_offset == 0 and isinstance(kv_offset, int) and kv_offset == 0
+    if plain and (attention_mask is None or (attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length)):
+        return attention_mask
+    return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                        local_size, **kwargs)  # fmt: skip
+
+
+def _layer_attention(module, query, key, value, attention_mask, **kwargs):
+    """HF's sdpa attention, with a [B, N] padding mask made into HF's causal [B, 1, N, N] mask here, in the layer's
+    graph, where the attention pass reads how it is built."""
+    from transformers import masking_utils as mu
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is None or attention_mask.dim() == 2:
+        b, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+        attention_mask = mu.sdpa_mask(b, q_len, kv_len, attention_mask=attention_mask, allow_is_causal_skip=False,
+                                      device=query.device)  # fmt: skip
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_layer_masks(model: torch.nn.Module) -> bool:
+    """Gives a Hugging Face sdpa ``model`` the attention implementation ``LAYER_MASK``: the same math, with the causal
+    mask built inside each attention call from the padding mask instead of once before the first layer. False (and
+    nothing changed) for other models and implementations."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", LAYER_MASK):
+        return False
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        return False
+    AttentionInterface.register(LAYER_MASK, _layer_attention)
+    AttentionMaskInterface.register(LAYER_MASK, _layer_mask)
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if getattr(cfg, "_attn_implementation", None) == "sdpa":
+            cfg._attn_implementation = LAYER_MASK
+    return True
+
+
 class LossHead(torch.nn.Module):
     """A causal LM and its loss in one module, laid out so that the lm_head and the loss share one graph under
     FSDP2: ``LossHead(model, loss_fn)(input_ids, attention_mask, *args)`` runs the decoder
@@ -152,7 +203,12 @@ class LossHead(torch.nn.Module):
     wrapped module; each function on the way (the user's step, ``LlamaForCausalLM.forward``, ``LlamaModel.forward``)
     then compiles as graphs of its own, the lm_head ends one (its logits an output) and the loss starts another. Here
     the break falls at the decoder call, and the rest of ``forward`` (lm_head, then the loss) resumes as one graph in
-    which the fused lm_head fires; each decoder layer's own graph gets the tiled MLP. Use it as the FSDP2 root::
+    which the fused lm_head fires; each decoder layer's own graph gets the tiled MLP. The attention mask would be
+    built once before the first layer and enter each layer's graph as an input, so the attention pass could not
+    read it; with ``layer_masks`` (default) an sdpa model is switched to ``LAYER_MASK``: each layer's graph builds
+    HF's causal mask from the [B, N] padding mask itself (``use_layer_masks``), and the attention pass rewrites it.
+    Masks other than causal-over-padding (sliding windows, packed sequences) are left as HF builds them.
+    Use it as the FSDP2 root::
 
         head = tilecompile.LossHead(model, loss_fn)
         for layer in model.model.layers:
@@ -162,7 +218,7 @@ class LossHead(torch.nn.Module):
         loss = step(input_ids, attention_mask, *loss_args)
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Any) -> None:
+    def __init__(self, model: torch.nn.Module, loss_fn: Any, layer_masks: bool = True) -> None:
         super().__init__()
         if not callable(getattr(model, "get_decoder", None)) or not callable(
             getattr(model, "get_output_embeddings", None)
@@ -173,6 +229,7 @@ class LossHead(torch.nn.Module):
             )
         self.model = model
         self.loss_fn = loss_fn
+        self.layer_masks = layer_masks and use_layer_masks(model)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any):
         decoder = self.model.get_decoder()
