@@ -15,6 +15,7 @@ refused with a clear error before any step runs, never a wrong loss.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -50,8 +51,6 @@ def _halves():
 
 def _reference(model, halves):
     """One process, the whole batch (the mean of the halves' losses, as FSDP2 averages the gradients)."""
-    import copy
-
     full = tilecompile.LossHead(copy.deepcopy(model), loss_fn, layer_masks=False)  # HF's own sdpa masks
     opt = torch.optim.AdamW(full.parameters(), lr=LR, eps=EPS)
     out = []
@@ -143,8 +142,6 @@ def check_fsdp_bf16(rank, world):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     halves = _halves()
     model = tiny("qwen2", layers=LAYERS)
-    import copy
-
     eager_model = copy.deepcopy(model)
     expected, _ = _train_fsdp(rank, eager_model, halves, compiled=False, mp=mp)
     got, rep = _train_fsdp(rank, model, halves, compiled=True, mp=mp)
@@ -232,3 +229,71 @@ def test_fsdp2_per_layer_and_root_two_ranks():
 @pytest.mark.distributed
 def test_tp_inside_fsdp2_is_refused_on_four_ranks():
     spawn(4, "scenario_four")
+
+
+# ------------------------------------------------------------------------------------------ one process
+
+
+@pytest.fixture
+def one_rank():
+    from test_tensor_parallel import _free_port
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_graph_counts_every_module_it_serves():
+    """Per-block compile (torchtitan's): Dynamo compiles one graph for both layers; the report counts 2 MLPs and
+    says the graph served 2 modules. The step equals eager."""
+    from helpers import assert_close, assert_grads_close, compile_options
+    from test_tensor_parallel import batch, ppo_loss, tiny
+
+    model = tiny("llama", layers=LAYERS)
+    reference = copy.deepcopy(model)
+    for layer in model.model.layers:
+        layer.compile(backend="tilecompile", options=compile_options())
+    data = batch()
+    loss, expected = ppo_loss(model, *data), ppo_loss(reference, *data)
+    loss.backward()
+    expected.backward()
+    assert_close(loss, expected, rtol=1e-5, atol=1e-6, name="loss")
+    assert_grads_close(model, reference, rtol=1e-4, atol=1e-6)
+    rep = tilecompile.report()
+    assert rep.graphs == 1 and rep.counts["tiled_mlp"] == LAYERS, rep
+    (mlp,) = [r for r in rep.rewrites if r.pass_name == "tiled_mlp"]
+    assert rep.modules(mlp) == LAYERS and f"x{LAYERS}: one graph 1 served {LAYERS} modules" in str(rep), rep
+
+
+def test_whole_step_under_fsdp2_reports_what_the_breaks_split(one_rank):
+    """A whole-step compile of an FSDP2 model (per layer + root, the issue's first row) breaks at every layer: the
+    report names the lm_head whose logits leave their graph, the log-softmax that reads them in another, and the
+    mask entering the layers' graph, each with what to do. The loss equals eager."""
+    from helpers import assert_close, compile_options
+    from test_tensor_parallel import batch, ppo_loss, tiny
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny("llama", layers=LAYERS)
+    expected = ppo_loss(copy.deepcopy(model), *batch())
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    loss = torch.compile(ppo_loss, backend="tilecompile", options=compile_options())(model, *batch())
+    assert_close(loss, expected, rtol=1e-5, atol=1e-6, name="loss")
+    rep = tilecompile.report()
+    assert rep.graphs > 2 and rep.counts["fused_linear_ce"] == 0 and rep.counts["attention"] == 0, rep
+    reasons = {(s.pass_name, s.candidate): s.reason for s in rep.skipped}
+    assert "leave this graph as an output" in reasons["fused_linear_ce", "lm_head"], rep
+    assert "tilecompile.LossHead" in reasons["fused_linear_ce", "lm_head"], rep
+    assert "are an input of this graph" in reasons["fused_linear_ce", "log_softmax of an input"], rep
+    assert "attn_mask [2, 1, 8, 8] is an input of this graph" in reasons["attention", "sdpa"], rep
+
+
+def test_loss_head_needs_a_causal_lm():
+    with pytest.raises(TypeError, match="LossHead needs a causal LM with get_decoder"):
+        tilecompile.LossHead(torch.nn.Linear(2, 2), loss_fn)

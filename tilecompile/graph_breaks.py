@@ -6,8 +6,9 @@ A pass can only rewrite what one graph holds. When Dynamo ends a graph between t
 attention mask is built in an earlier graph, each layer's graph gets the [B, 1, N, N] mask as an input and runs
 dense masked attention. ``notes(gm)`` looks for the ends of such regions in one graph, after the passes:
 
-- a linear whose output is (a view, cast or scaling of) a graph output and looks like an lm_head (module named
-  ``lm_head`` / ``output`` / ``embed_out``, or out_features >= 8 x in_features): the logits leave the graph;
+- a linear whose output is (a view, cast or scaling of) a graph output, looks like an lm_head (module named
+  ``lm_head`` / ``output`` / ``embed_out``, or out_features >= 8 x in_features) and feeds no softmax here (where
+  one does, ``passes/fused_linear_ce.py`` judges it): the logits leave the graph;
 - a graph input read by log_softmax / logsumexp / softmax / cross-entropy over its last dim: logits enter it;
 - an SDPA whose ``attn_mask`` is a graph input: the mask was built in an earlier graph.
 
@@ -58,6 +59,20 @@ def _source(node: fx.Node, limit: int = 8) -> fx.Node:
     return node
 
 
+def _reaches_softmax(node: fx.Node) -> bool:
+    """A softmax-family op reads ``node`` in this graph: the lm_head pass then judges it (and says why it skips)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user not in seen:
+                if G.op(user) in _SOFTMAX:
+                    return True
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
 def _is_head(linear: G.Linear) -> bool:
     if G.module_path(linear.node).rsplit(".", 1)[-1] in _HEAD_NAMES:
         return True
@@ -74,7 +89,7 @@ def notes(gm: fx.GraphModule) -> list[R.Skip]:
     for node in returned:
         src = _source(node)
         linear = G.as_linear(src) if src.op != "placeholder" else None
-        if linear is None or src in seen or not _is_head(linear):
+        if linear is None or src in seen or not _is_head(linear) or _reaches_softmax(src):
             continue
         seen.add(src)
         shape = G.shape(src)
