@@ -201,8 +201,42 @@ def check_tp_inside_fsdp_refused(rank, world):
     assert torch.isfinite(loss)
 
 
+def check_tp_ddp_defaults(rank, world):
+    """What to use instead: TP=2 inside {0,1} and {2,3}, DDP across them with Dynamo's default optimize_ddp and
+    small buckets (DDP splits the graph; the passes ran first): each half's loss and the averaged gradients equal one
+    process on the whole batch, with the tensor-parallel collectives and every rewrite in place."""
+    from helpers import assert_close, compile_options
+    from test_tensor_parallel import PLAN, PPOLoss, batch, check_grads, ppo_loss, tiny
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, dp = tp_groups[rank // 2], dp_groups[rank % 2]
+    half = rank // 2
+    ids, mask, old_logp, adv = batch(n=4)
+    halves = [tuple(t[2 * h : 2 * h + 2] for t in (ids, mask, old_logp, adv)) for h in (0, 1)]
+    model = tiny("llama", layers=1)
+    full = copy.deepcopy(model)
+    losses = [ppo_loss(full, *hb) for hb in halves]
+    ((losses[0] + losses[1]) / 2).backward()
+    tilecompile.parallelize(model, PLAN, group=tp)
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 4096
+    ddp = DDP(PPOLoss(model), process_group=dp, bucket_cap_mb=4096 / 2**20)
+    torch._dynamo.reset()
+    tilecompile.reset()
+    assert torch._dynamo.config.optimize_ddp is True
+    loss = torch.compile(ddp, backend="tilecompile", options=compile_options())(*halves[half])
+    loss.backward()
+    assert_close(loss, losses[half], rtol=1e-4, atol=2e-5, name=f"rank {rank} loss of half {half}")
+    check_grads(model, full, rank % 2, 2)
+    counts = tilecompile.report().counts
+    assert (counts["attention"], counts["fused_linear_ce"], counts["tiled_mlp"]) == (1, 1, 1), tilecompile.report()
+    assert counts["tensor_parallel"] == 3, tilecompile.report()  # the attention block, the MLP, the lm_head
+
+
 def scenario_four(rank, world):
     check_tp_inside_fsdp_refused(rank, world)
+    check_tp_ddp_defaults(rank, world)
 
 
 def _entry(rank, world, port, name):
