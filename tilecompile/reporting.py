@@ -165,11 +165,12 @@ def serving(name: str, gm: Any, compiled: Any) -> Any:
     index = _first_param_index(gm)
     if index is None or not callable(compiled):
         return compiled
-    boxed = type(gm).__name__ == "GmWrapper"  # Dynamo's boxed calling convention: one list argument
+    # the boxed calling convention (Dynamo hands over one list of inputs)
+    boxed = type(gm).__name__ == "GmWrapper" or bool(getattr(compiled, "_boxed_call", False))
     seen = _served.setdefault(name, set())
 
     def run(*args: Any) -> Any:
-        inputs = args[0] if boxed else args
+        inputs = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
         if len(seen) < _MAX_SERVED and index < len(inputs):
             seen.add(id(inputs[index]))
         return compiled(*args)
