@@ -78,8 +78,8 @@ class Report:
         return copy
 
     def __str__(self) -> str:
-        lines = [f"tilecompile report: {self.graphs} graph(s) compiled"]
-        lines.append("  " + "  ".join(f"{k}={v}" for k, v in self.counts.items()) + "  (modules rewritten)")
+        lines = [f"tilecompile report: {self.graphs} graph(s) compiled; modules rewritten:"]
+        lines.append("  " + "  ".join(f"{k}={v}" for k, v in self.counts.items()))
         if self.rewrites:
             lines.append("rewritten:")
             rows = [("pass", "module", "shapes", "dtypes", "detail")]
