@@ -60,6 +60,8 @@ _SPECS: dict[str, _Spec] = {
     "check_inputs": _Spec(bool, False, "validate labels on CUDA (costs a host sync per call)"),
     # Dynamo: a failing import inside compiled code raises ImportError there, as in Python (dynamo_compat.py)
     "trace_import_errors": _Spec(bool, True, "a failing import in compiled code raises ImportError in the graph"),
+    # DDP (optimize_ddp's graph split at bucket boundaries): the passes see the whole graph, then it is split
+    "ddp_split_after_passes": _Spec(bool, True, "under DDP, rewrite the whole graph before DDP's bucket split"),
 }
 
 _ALIASES = {f"TILECOMPILE_{name.upper()}": name for name in _SPECS}
@@ -115,6 +117,7 @@ class Settings:
     ce_loss_grad_compile: str
     check_inputs: bool
     trace_import_errors: bool
+    ddp_split_after_passes: bool
 
     def pass_enabled(self, pass_name: str) -> bool:
         return bool(getattr(self, pass_name))
