@@ -124,11 +124,17 @@ def _from_launch(node: fx.Node) -> KernelCall | None:
     return KernelCall(node, launch["logits_ptr"], launch["index_ptr"], mask, float(launch["TEMPERATURE"]), outputs)
 
 
-def find(gm: fx.GraphModule) -> list[KernelCall]:
-    """Every call of TRL's log-prob / entropy kernel in ``gm``'s graph on logits a linear of this graph computes
-    (the launch inside an autograd.Function's own body reads a placeholder: nothing to fuse there)."""
-    calls = []
+def find(gm: fx.GraphModule) -> list[KernelCall | CrossEntropyCall]:
+    """Every call of TRL's log-prob / entropy kernel (or of Megatron-Core's vocab-parallel cross-entropy at
+    tensor-parallel world size 1) in ``gm``'s graph on logits a linear of this graph computes (the launch inside an
+    autograd.Function's own body reads a placeholder: nothing to fuse there)."""
+    calls: list[KernelCall | CrossEntropyCall] = []
     for node in gm.graph.nodes:
+        ce = read_mcore_cross_entropy(node, gm)
+        if isinstance(ce, CrossEntropyCall):
+            if isinstance(ce.logits, fx.Node) and _after_linear(ce.logits):
+                calls.append(ce)
+            continue
         call = _from_apply(node, gm) or _from_launch(node)
         if call is not None and all(isinstance(n, fx.Node) for n in (call.logits, call.index)):
             if _after_linear(call.logits):
@@ -149,13 +155,25 @@ def _after_linear(node: fx.Node, budget: int = 64) -> bool:
     return False
 
 
-def describe(call: KernelCall) -> str:
+def describe(call: KernelCall | CrossEntropyCall) -> str:
+    if isinstance(call, CrossEntropyCall):
+        return f"Megatron-Core's vocab-parallel cross-entropy ({MCORE_CE}) at {call.node.name}"
     return f"TRL's Triton log-prob/entropy kernel ({TRL_MODULE}) at {call.node.name}"
 
 
-def expand(call: KernelCall, b: Any) -> list[fx.Node]:
+def summary(calls: list[KernelCall | CrossEntropyCall]) -> str:
+    """``2 call(s) of TRL's ...`` for the report's detail of a rewrite that fused them."""
+    mcore = sum(isinstance(c, CrossEntropyCall) for c in calls)
+    parts = [f"{len(calls) - mcore} call(s) of TRL's Triton log-prob/entropy kernel"] if len(calls) > mcore else []
+    parts += [f"{mcore} call(s) of Megatron-Core's vocab-parallel cross-entropy"] if mcore else []
+    return " and ".join(parts)
+
+
+def expand(call: KernelCall | CrossEntropyCall, b: Any) -> list[fx.Node]:
     """Insert the kernel's math in torch ops (with builder ``b``, placed before the call), route the call's uses to
     it and erase the call; returns the vocabulary-sized nodes inserted (the fused pass must consume them all)."""
+    if isinstance(call, CrossEntropyCall):
+        return _expand_cross_entropy(call, b)
     graph = call.node.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     z = call.logits
@@ -276,10 +294,14 @@ def _backward_outputs(body: fx.GraphModule) -> list[Any]:
 
 def read_function(node: fx.Node, gm: fx.GraphModule) -> FunctionCall | str | None:
     """The call as a linear or the identity; a reason when it is neither but stands where a linear or a loss would
-    (a matmul or softmax-family math in its forward); None for any other call, or when ``node`` is no such call."""
+    (a matmul or softmax-family math in its forward); None for any other call, or when ``node`` is no such call.
+    Megatron-Core's cross-entropy is left to the lm_head pass (None), or has its reason when it cannot be read."""
     bodies = _bodies(node, gm)
     if bodies is None:
         return None
+    ce = read_mcore_cross_entropy(node, gm)
+    if ce is not None:
+        return ce if isinstance(ce, str) else None
     fwd, bwd = bodies
     operands = list(node.args[2:])
     fwd_in = [n for n in fwd.graph.nodes if n.op == "placeholder"]
@@ -492,3 +514,113 @@ def _drop_unused_bodies(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users and isinstance(getattr(gm, node.target, None), fx.GraphModule):
             gm.graph.erase_node(node)
+
+
+# ------------------------------------------------------------------------ Megatron-Core's vocab-parallel cross-entropy
+#
+# ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy(logits, target)`` (``_VocabParallelCrossEntropy``)
+# computes, per row of fp32 logits z [..., V_local] and this rank's vocabulary range [start, end):
+#     loss = log Σ_j exp(z_j − m) − (z_t − m)   with m the row max (all-reduced MAX), Σ and z_t all-reduced SUM,
+# and z_t taken as 0 where t is outside [start, end) (another rank's token): so on one rank holding the whole
+# vocabulary, loss = lse(z) − z_t for 0 <= t < V and loss = lse(z) for any other t. Its forward body is read by the
+# function's source name and checked: two operands (logits, target), one output of the target's shape, the output
+# ``log(Σ) − z_t`` (no label smoothing), the vocabulary range (0, V), and every collective over a group of one rank.
+# The expansion is the same function in torch ops the lm_head pass fuses: −logp_t with t made 0 outside the range,
+# plus z_0 there (lse = z_0 − logp_0; z_0 = h·W_0 from the lm_head's own input and weight).
+
+MCORE_CE = "megatron.core.tensor_parallel.cross_entropy"
+_MCORE_CE_NAME = "_VocabParallelCrossEntropy"
+
+
+@dataclasses.dataclass
+class CrossEntropyCall:
+    node: fx.Node
+    logits: fx.Node
+    target: fx.Node
+
+
+def _group_size(name: Any) -> int | None:
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return int(c10d._resolve_process_group(name).size())
+    except Exception:  # noqa: BLE001 - an unknown group (or no torch.distributed): not provably one rank
+        return None
+
+
+def read_mcore_cross_entropy(node: fx.Node, gm: fx.GraphModule) -> CrossEntropyCall | str | None:
+    """The call of Megatron-Core's cross-entropy as ``CrossEntropyCall``; a reason when it is that function but not
+    provably the math above; None for any other node."""
+    if not is_function_apply(node) or function_name(node) != f"autograd.Function {_MCORE_CE_NAME}":
+        return None
+    bodies = _bodies(node, gm)
+    if bodies is None:
+        return None
+    fwd, bwd = bodies
+    what = "Megatron-Core's vocab-parallel cross-entropy not fused"
+    operands = list(node.args[2:])
+    places = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    outs = _forward_outputs(fwd)
+    if len(operands) != 2 or len(places) != 2 or outs is None or len(outs[0]) != 1:
+        return f"{what}: its forward is not in the form of megatron-core 0.16 (logits, target) -> loss"
+    logits, target = operands
+    lv, tv = G.example_value(logits), G.example_value(target)
+    if not (isinstance(lv, torch.Tensor) and isinstance(tv, torch.Tensor)) or tv.is_floating_point():
+        return f"{what}: its operands are not float logits and integer targets"
+    if not G.same_shape(tuple(lv.shape[:-1]), tuple(tv.shape)):
+        return f"{what}: logits {tuple(lv.shape)} and target {tuple(tv.shape)} do not fit"
+    for body in (fwd, bwd):
+        for n in body.graph.nodes:
+            if n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait_tensor" not in str(n.target):
+                group = n.args[2] if len(n.args) > 2 else None
+                size = _group_size(group)
+                if size != 1:
+                    ranks = f"{size} ranks" if size else "an unknown group"
+                    return (
+                        f"{what}: its all-reduces run over a tensor-parallel group of {ranks} (the logits are a "
+                        "vocabulary shard; the fused op's vocab-parallel path is for tilecompile.parallelize)"
+                    )
+    (loss,) = outs[0]
+    log = loss.args[0] if G.op(loss) == "sub" and len(loss.args) == 2 else None
+    if not isinstance(log, fx.Node) or G.op(log) != "log":
+        return f"{what}: its loss is not log(Σ exp) − z_t (label smoothing?)"
+    t = places[1]
+    bounds = {}
+    for n in t.users:
+        if n.op == "call_function" and n.target in (operator.lt, operator.ge) and n.args[0] is t:
+            bounds[n.target] = n.args[1]
+    vocab = G.hint(lv.shape[-1])
+    if bounds.get(operator.lt) != 0 or bounds.get(operator.ge) != vocab:
+        return f"{what}: its vocabulary range is not (0, {vocab}) (this rank holds a shard of the vocabulary)"
+    return CrossEntropyCall(node, logits, target)
+
+
+def _expand_cross_entropy(call: CrossEntropyCall, b: Any) -> list[fx.Node]:
+    z = call.logits
+    if G.dtype(z) != torch.float32:
+        z = b.call("float", z, method=True)
+    vocab = G.shape(call.logits)[-1]
+    t = call.target
+    outside = b.call(operator.or_, b.call(operator.lt, t, 0), b.call(operator.ge, t, vocab))
+    safe = b.call(torch.where, outside, 0, t)
+    if G.dtype(safe) != torch.int64:
+        safe = b.call("long", safe, method=True)
+    logp_all = b.call(torch.log_softmax, z, -1)
+    picked = b.call(torch.gather, logp_all, -1, b.call("unsqueeze", safe, -1, method=True))
+    loss = b.call(operator.neg, b.call("squeeze", picked, -1, method=True))
+    lin = G.as_linear(call.logits)
+    if lin is not None and lin.bias is None:  # lse = z_0 − logp_0 on rows whose target is outside the vocabulary
+        w0 = b.call(operator.getitem, lin.weight, slice(0, 1))
+        z0 = b.call("squeeze", b.call(torch.nn.functional.linear, lin.input, w0), -1, method=True)
+        if G.dtype(z0) != torch.float32:
+            z0 = b.call("float", z0, method=True)
+        loss = b.call(operator.add, loss, b.call(torch.where, outside, z0, 0.0))
+    else:  # the plain lse there: exact, but not a form the fused op computes (the pass says so and undoes this)
+        lse = b.call(torch.logsumexp, z, -1)
+        loss = b.call(torch.where, outside, lse, loss)
+    for item in [u for u in call.node.users if G.op(u) == "getitem"]:
+        item.replace_all_uses_with(loss)
+        item.graph.erase_node(item)
+    if not call.node.users:
+        call.node.graph.erase_node(call.node)
+    return [n for n in (z, logp_all) if n is not call.logits]
