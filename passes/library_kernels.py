@@ -521,12 +521,13 @@ def _drop_unused_bodies(gm: fx.GraphModule) -> None:
 # ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy(logits, target)`` (``_VocabParallelCrossEntropy``)
 # computes, per row of fp32 logits z [..., V_local] and this rank's vocabulary range [start, end):
 #     loss = log Σ_j exp(z_j − m) − (z_t − m)   with m the row max (all-reduced MAX), Σ and z_t all-reduced SUM,
-# and z_t taken as 0 where t is outside [start, end) (another rank's token): so on one rank holding the whole
-# vocabulary, loss = lse(z) − z_t for 0 <= t < V and loss = lse(z) for any other t. Its forward body is read by the
-# function's source name and checked: two operands (logits, target), one output of the target's shape, the output
+# and z_t − m taken as 0 where t is outside [start, end) (another rank's token). On one rank holding the whole
+# vocabulary that is loss = lse(z) − z_t = −log_softmax(z)_t for 0 <= t < V. A target outside [0, V) is bad input
+# there (mcore returns lse − max z for it, with the gradient of lse alone): the fused op's label check says so (always
+# on CPU, on CUDA with check_inputs), as for every gathered log-prob. Its forward body is read by the function's
+# source name and checked: two operands (logits, target), one output of the target's shape, the output
 # ``log(Σ) − z_t`` (no label smoothing), the vocabulary range (0, V), and every collective over a group of one rank.
-# The expansion is the same function in torch ops the lm_head pass fuses: −logp_t with t made 0 outside the range,
-# plus z_0 there (lse = z_0 − logp_0; z_0 = h·W_0 from the lm_head's own input and weight).
+# The expansion is ``−log_softmax(z.float()).gather(t)``, which the lm_head pass fuses.
 
 MCORE_CE = "megatron.core.tensor_parallel.cross_entropy"
 _MCORE_CE_NAME = "_VocabParallelCrossEntropy"
@@ -599,25 +600,10 @@ def _expand_cross_entropy(call: CrossEntropyCall, b: Any) -> list[fx.Node]:
     z = call.logits
     if G.dtype(z) != torch.float32:
         z = b.call("float", z, method=True)
-    vocab = G.shape(call.logits)[-1]
-    t = call.target
-    outside = b.call(operator.or_, b.call(operator.lt, t, 0), b.call(operator.ge, t, vocab))
-    safe = b.call(torch.where, outside, 0, t)
-    if G.dtype(safe) != torch.int64:
-        safe = b.call("long", safe, method=True)
+    t = call.target if G.dtype(call.target) == torch.int64 else b.call("long", call.target, method=True)
     logp_all = b.call(torch.log_softmax, z, -1)
-    picked = b.call(torch.gather, logp_all, -1, b.call("unsqueeze", safe, -1, method=True))
+    picked = b.call(torch.gather, logp_all, -1, b.call("unsqueeze", t, -1, method=True))
     loss = b.call(operator.neg, b.call("squeeze", picked, -1, method=True))
-    lin = G.as_linear(call.logits)
-    if lin is not None and lin.bias is None:  # lse = z_0 − logp_0 on rows whose target is outside the vocabulary
-        w0 = b.call(operator.getitem, lin.weight, slice(0, 1))
-        z0 = b.call("squeeze", b.call(torch.nn.functional.linear, lin.input, w0), -1, method=True)
-        if G.dtype(z0) != torch.float32:
-            z0 = b.call("float", z0, method=True)
-        loss = b.call(operator.add, loss, b.call(torch.where, outside, z0, 0.0))
-    else:  # the plain lse there: exact, but not a form the fused op computes (the pass says so and undoes this)
-        lse = b.call(torch.logsumexp, z, -1)
-        loss = b.call(torch.where, outside, lse, loss)
     for item in [u for u in call.node.users if G.op(u) == "getitem"]:
         item.replace_all_uses_with(loss)
         item.graph.erase_node(item)
