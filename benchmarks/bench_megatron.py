@@ -98,7 +98,9 @@ def _one(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         _setup(device, tmp)
         model = _model(args.tiny, vocab, max(args.lengths), device)
-        torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+        cfg = torch._dynamo.config  # torch 2.13's name of the set; older releases have ignore_logger_methods
+        ignore = "ignore_logging_functions" if hasattr(cfg, "ignore_logging_functions") else "ignore_logger_methods"
+        getattr(cfg, ignore).add(warnings.warn)
         for seq in args.lengths:
             torch._dynamo.reset()
             tilecompile.reset()
@@ -118,7 +120,7 @@ def _one(args) -> None:
             }
             batch = {k: v.to(device) for k, v in batch.items()}
             gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-            row = {"method": args.method, "seq": seq, "device": gpu, "torch": torch.__version__}
+            row = {"method": args.method, "seq": seq, "device": gpu, "torch": torch.__version__, "warn_off": ignore}
             try:
                 times = []
                 for i in range(args.repeats + 2):
