@@ -304,6 +304,8 @@ def read_function(node: fx.Node, gm: fx.GraphModule) -> FunctionCall | str | Non
     if bodies is None:
         return None
     ce = read_mcore_cross_entropy(node, gm)
+    if isinstance(ce, CrossEntropyCall) and not _after_linear(ce.logits):
+        return f"{function_name(node)} not fused: its logits come from no linear of this graph (a graph break?)"
     if ce is not None:
         return ce if isinstance(ce, str) else None
     fwd, bwd = bodies

@@ -225,3 +225,22 @@ def test_example_runs_on_cpu():
     assert "1 graph(s) compiled" in out.stdout, out.stdout
     steps = [line.split() for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3 and all(s[3] == s[5] for s in steps), out.stdout  # eager's loss to the printed digits
+
+
+def test_cross_entropy_of_logits_from_outside_the_graph_gets_a_reason(mcore_cpu):
+    """No linear in the graph to fuse it with: mcore's CE stays as it is, and the report says why."""
+    z = torch.randn(8, 2, 32, requires_grad=True)
+    z_ref = z.detach().clone().requires_grad_()
+    t = torch.randint(0, 32, (8, 2))
+
+    def loss(z, t):
+        return mcore_tp.vocab_parallel_cross_entropy(z, t).mean()
+
+    actual = torch.compile(loss, backend="tilecompile", options=compile_options())(z, t)
+    expected = loss(z_ref, t)
+    actual.backward()
+    expected.backward()
+    assert_close(actual, expected, rtol=RTOL, atol=ATOL, name="loss")
+    assert_close(z.grad, z_ref.grad, rtol=RTOL, atol=ATOL, name="grad of z")
+    (skip,) = tilecompile.report().skipped
+    assert "_VocabParallelCrossEntropy not fused: its logits come from no linear" in skip.reason, skip
