@@ -14,9 +14,10 @@ backward is its forward's gradient; any other is left alone, and one met where a
 
 Checks for the literal identities, each keeping the node when it says no: the result has the operand's dtype
 (``int + 0.0`` is a float), shape, strides and requires_grad (``x + 0`` under ``no_grad`` detaches); neither the
-result nor the operand (nor a view of either) is written in place anywhere in the graph, and the result is not
-returned from the graph: the operand itself takes the place of a fresh tensor. ``x + 0.0`` turns ``-0.0`` into ``0.0``;
-nothing else changes, and its gradient is the identity. ``torch.div`` with a ``rounding_mode`` is left alone.
+result nor the operand (nor a view of either) is written in place anywhere in the graph or handed to a higher-order
+op (whose body may write into it), and the result is not returned from the graph: the operand itself takes the place
+of a fresh tensor. ``x + 0.0`` turns ``-0.0`` into ``0.0``; nothing else changes, and its gradient is the identity.
+``torch.div`` with a ``rounding_mode`` is left alone.
 """
 
 from __future__ import annotations
@@ -87,10 +88,15 @@ def _alias_root(node: Any) -> Any:
 
 
 def _written_roots(graph: fx.Graph) -> set[fx.Node]:
-    """Every tensor some node of ``graph`` writes into (through views), as its alias root."""
+    """Every tensor some node of ``graph`` writes into (through views), as its alias root. A higher-order op's
+    operands count as written: its body may write into them (Megatron-Core's cross-entropy subtracts the row max from
+    its logits in place)."""
     roots = set()
     for node in graph.nodes:
-        for target in G.mutated_args(node):
+        targets = list(G.mutated_args(node))
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            targets += node.all_input_nodes
+        for target in targets:
             roots.add(_alias_root(target))
     return roots
 
