@@ -255,7 +255,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     live = set(gm.graph.nodes)
     if result is not None and not any(n in live for nodes in wide for n in nodes):
         for rewrite in result.rewrites:
-            rewrite.detail += f"; read from {len(kernels)} call(s) of TRL's Triton log-prob/entropy kernel (graph-wide)"
+            rewrite.detail += f"; read from {LK.summary(kernels)} (graph-wide)"
         return result
     why = "; ".join(dict.fromkeys(s.reason for s in result.skipped)) if result else "no fake tensors on its logits"
     why = why or "its logits' linear is not an lm_head candidate"

@@ -27,6 +27,7 @@ class _Spec:
 
 _SPECS: dict[str, _Spec] = {
     # passes: each 1 (on) or 0 (off)
+    "canonical": _Spec(bool, True, "x + 0.0, x * 1.0, torch.min(a, b), linear autograd.Functions -> what they compute"),
     "tensor_parallel": _Spec(bool, True, "lower tilecompile.parallelize() annotations to collectives"),
     "attention": _Spec(bool, True, "SDPA fed an [N, N] mask built from positions -> is_causal / masked attention"),
     "fused_linear_ce": _Spec(bool, True, "lm_head -> log-prob / entropy / cross-entropy -> one fused op"),
@@ -100,6 +101,7 @@ def _parse(name: str, raw: Any, source: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
+    canonical: bool
     tensor_parallel: bool
     attention: bool
     fused_linear_ce: bool
