@@ -69,13 +69,20 @@ def find(gm: fx.GraphModule) -> list[A.Region]:
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = []
     for node in gm.graph.nodes:
-        lin = G.as_linear(node) or _gathered_linear(node)
-        if lin is None or len(G.shape(lin.weight) or ()) != 2 or G.hint(G.shape(lin.weight)[0]) is None:
+        lin, weight_cast = G.as_linear(node) or _gathered_linear(node), None
+        if lin is None:
+            lin, weight_cast = _cast_linear(node)
+        if lin is None:
+            unread = _unread_matmul(node)
+            if unread is not None and _softmax_reached(node) is not None:
+                regions.append(A.Region(unread[0], rejected=unread[1]))
+            continue
+        if len(G.shape(lin.weight) or ()) != 2 or G.hint(G.shape(lin.weight)[0]) is None:
             continue
         target = _softmax_reached(lin.node)
         if target is None:
             continue  # a plain linear (an MLP's, a projection's): not a candidate
-        r = A.Analysis(gm, lin, position).run()
+        r = A.Analysis(gm, lin, position, weight_cast).run()
         if not r.softmax_family:
             r.rejected = r.rejected or _not_followed(r, target, position)
         regions.append(r)
@@ -121,6 +128,56 @@ def _not_followed(r: A.Region, target: fx.Node, position: dict[fx.Node, int]) ->
     )
 
 
+def _cast_linear(node: fx.Node) -> tuple[G.Linear | None, torch.dtype | None]:
+    """``torch.matmul(h.float(), W.transpose(0, 1).float())`` (verl's spelling): a linear whose weight operand is
+    the weight transposed and cast, in any order, to the product's dtype; (the linear, that dtype) or (None, None).
+    The rewrite casts the weight as the graph did."""
+    if G.op(node) != "matmul" or len(node.args) != 2 or node.kwargs or len(G.shape(node.args[0]) or ()) < 2:
+        return None, None
+    cur, casts, transposes = node.args[1], set(), 0
+    while isinstance(cur, fx.Node):
+        if (to := G.cast_target(cur)) is not None:
+            casts.add(to)
+            cur = cur.args[0]
+        elif (src := G.transposed_of(cur)) is not None:
+            transposes += 1
+            cur = src
+        else:
+            break
+    if transposes != 1 or casts != {G.dtype(node)} or G.graph_input(cur) is not cur:
+        return None, None
+    if G.dtype(cur) not in A.FLOAT_DTYPES:
+        return None, None
+    return G.Linear(node, node.args[0], cur, None), G.dtype(node)
+
+
+def _unread_matmul(node: fx.Node) -> tuple[G.Linear, str] | None:
+    """A product with a 2-D graph input (a weight) whose output's last dim is one of that weight's sizes, in a form
+    the pass does not read as ``h·Wᵀ``: (a stand-in linear for the report, the reason), else None. It is reported
+    when it reaches a softmax, so that no lm_head is left without a word."""
+    name = G.op(node)
+    if node.op not in ("call_function", "call_method"):
+        return None
+    if name not in _MATMULS and node.target is not operator.matmul and name != "linear":
+        return None
+    width = G.hint((G.shape(node) or (None,))[-1])
+    for operand in node.all_input_nodes:
+        cur = operand
+        while isinstance(cur, fx.Node) and (G.cast_target(cur) is not None or G.is_view_like(cur)):
+            cur = cur.args[0]
+        src = G.graph_input(cur)
+        shape = G.shape(src) if src is not None else None
+        if shape is None or len(shape) != 2 or width is None or width not in [G.hint(s) for s in shape]:
+            continue
+        lhs = next((a for a in node.all_input_nodes if a is not operand), operand)
+        reason = (
+            f"{name} {node.name} multiplies by the weight {src.name} {tuple(shape)} in a form the pass does not read "
+            "as an lm_head h·Wᵀ with W [V, D] (F.linear, h @ W.t(), torch.matmul(h, W.transpose(0, 1)), with casts)"
+        )
+        return G.Linear(node, lhs, src, None), reason
+    return None
+
+
 def _gathered_linear(node: fx.Node) -> G.Linear | None:
     """The logits of a vocab-parallel lm_head, as ``passes/tensor_parallel.py`` leaves them: all-gathered along the
     vocabulary right after the local linear. Seen as one linear of the whole vocabulary; the rewrite calls the
@@ -156,6 +213,7 @@ def _check_linear(r: A.Region) -> str | None:
     if G.graph_input(lin.weight) is None:
         return f"its weight {lin.weight.name} is computed in the graph, not a graph input (parameter)"
     hd, wd, od = G.dtype(lin.input), G.dtype(lin.weight), G.dtype(lin.node)
+    wd = r.weight_cast or wd  # the weight cast to the product's dtype in the graph: the rewrite casts it too
     if od not in _OP_DTYPES:
         return f"logits dtype {od} is not supported by the fused op (float16, bfloat16, float32)"
     if hd != od or wd != od:

@@ -138,6 +138,7 @@ class Reject(Exception):
 @dataclasses.dataclass
 class Region:
     linear: G.Linear
+    weight_cast: torch.dtype | None = None  # the dtype the graph casts the weight to (``W.t().float()``), if any
     values: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     order: list[fx.Node] = dataclasses.field(default_factory=list)  # region nodes in graph order
     softmax_family: bool = False
@@ -202,9 +203,11 @@ def _equal_sizes(a: tuple | None, b: tuple | None) -> bool:
 class Analysis:
     """Walks forward from one linear, giving each node it understands an abstract value."""
 
-    def __init__(self, gm: fx.GraphModule, linear: G.Linear, position: dict[fx.Node, int]) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, linear: G.Linear, position: dict[fx.Node, int], weight_cast: torch.dtype | None = None
+    ) -> None:
         self.gm = gm
-        self.r = Region(linear)
+        self.r = Region(linear, weight_cast)
         self.position = position
         self.bases: dict[tuple, fx.Node] = {}
         # preallocated buffers written with parts of region values: buffer -> [(rows, value, buffer's user, node)]

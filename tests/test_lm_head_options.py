@@ -1,0 +1,152 @@
+"""The lm_head pass on what the peers' suites use (issue 25): verl's ``torch.matmul`` with casts and transposes,
+a bias (either spelling), a final-logit softcap, z-loss and lse, label smoothing, class weights and argmax.
+
+Each spelling is compiled through the backend (strict, aot_eager) and compared with eager, outputs and the grads of
+h and every parameter, and both are compared with a float64 copy of the model: the rewrite's error must not exceed
+eager's own by more than a small margin. Where it cannot be rewritten, the report must say why."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close
+
+import tilecompile
+
+D, V = 16, 37
+OPTIONS = {"strict": True, "inner": "aot_eager", "tiled_mlp": False}
+
+
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch):
+    monkeypatch.setenv("TILECOMPILE_STRICT", "1")
+    tilecompile.reset()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Head(torch.nn.Module):
+    """An lm_head weight [V, D] (and a bias [V]) followed by ``spelling(self, h, labels, *extra)``."""
+
+    def __init__(self, spelling, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(V, D, dtype=dtype) / D**0.5)
+        self.bias = torch.nn.Parameter(torch.randn(V, dtype=dtype))
+        self.spelling = spelling
+
+    def forward(self, h, labels, *extra):
+        return self.spelling(self, h, labels, *extra)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    return [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, torch.Tensor)]
+
+
+def _run(model, h, labels, extra, compiled: bool):
+    h = h.detach().clone().requires_grad_()
+    fn = torch.compile(model, backend="tilecompile", options=OPTIONS) if compiled else model
+    outs = _tensors(fn(h, labels, *extra))
+    with_grad = [o for o in outs if o.requires_grad]
+    if with_grad:
+        gen = torch.Generator().manual_seed(1)
+        seeds = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in with_grad]
+        torch.autograd.backward(with_grad, seeds)
+    grads = [h.grad] + [p.grad for _, p in model.named_parameters()]
+    return outs, grads
+
+
+def check(spelling, extra=(), rewrites=1, dtype=torch.float32, labels=None, batch=(3, 5), tol=1e-5):
+    """Compile ``Head(spelling)``: the report's count, outputs and grads against eager and against float64."""
+    torch.manual_seed(0)
+    model = Head(spelling, dtype)
+    h = torch.randn(*batch, D, dtype=dtype)
+    labels = torch.randint(0, V, batch) if labels is None else labels
+    eager = _run(copy.deepcopy(model), h, labels, extra, compiled=False)
+    f64_extra = tuple(e.double() if isinstance(e, torch.Tensor) and e.is_floating_point() else e for e in extra)
+    exact = _run(copy.deepcopy(model).double(), h.double(), labels, f64_extra, compiled=False)
+    got = _run(model, h, labels, extra, compiled=True)
+    rep = tilecompile.report()
+    assert rep.counts["fused_linear_ce"] == rewrites, rep
+    for kind, (a_list, e_list, x_list) in zip(("output", "grad"), zip(got, eager, exact)):
+        assert len(a_list) == len(e_list)
+        for i, (a, e, x) in enumerate(zip(a_list, e_list, x_list)):
+            if e is None:
+                assert a is None, (kind, i)
+                continue
+            assert a.dtype == e.dtype, (kind, i, a.dtype, e.dtype)
+            if not a.is_floating_point():
+                assert torch.equal(a, e), (kind, i)
+                continue
+            assert_close(a, e, rtol=tol, atol=tol, name=f"{kind} {i} against eager")
+            eager_err = (e.double() - x).abs().max().item()
+            assert_close(a, x, rtol=0, atol=3 * eager_err + tol, name=f"{kind} {i} against float64")
+    return rep
+
+
+def lp_of(z, y):
+    return z.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_of(z):
+    p = z.softmax(-1)
+    return torch.logsumexp(z, -1) - (p * z).sum(-1)
+
+
+def skip_reasons(rep) -> list[str]:
+    return [s.reason for s in rep.skipped if s.pass_name == "fused_linear_ce"]
+
+
+# ------------------------------------------------------------------------------------- matmul spellings
+
+
+def verl_matmul(m, h, y):
+    z = torch.matmul(h.float(), m.weight.transpose(0, 1).float()) / 0.7
+    return lp_of(z, y), entropy_of(z)
+
+
+def verl_matmul_inplace(m, h, y):
+    z = torch.matmul(h.float(), m.weight.transpose(0, 1).float())
+    z /= 0.7
+    return lp_of(z, y), entropy_of(z)
+
+
+def cast_then_transpose(m, h, y):
+    z = h.float() @ m.weight.float().t()
+    return F.cross_entropy(z.view(-1, V), y.view(-1))
+
+
+def mm_of_flat(m, h, y):
+    z = torch.mm(h.reshape(-1, D), m.weight.T)
+    return F.cross_entropy(z, y.view(-1), reduction="sum")
+
+
+@pytest.mark.parametrize("spelling", [verl_matmul, verl_matmul_inplace, cast_then_transpose, mm_of_flat])
+def test_matmul_spellings_fire(spelling):
+    check(spelling)
+
+
+@pytest.mark.parametrize("spelling", [verl_matmul, verl_matmul_inplace])
+def test_verl_matmul_of_bf16_weights_fires_in_fp32(spelling):
+    # h and W in bf16, the logits in fp32 (verl's reference): the op computes in fp32 as the graph does
+    rep = check(spelling, dtype=torch.bfloat16, tol=2e-2)
+    (rw,) = rep.rewrites
+    assert rw.dtypes["weight"] == "torch.bfloat16" and rw.dtypes["logits"] == "torch.float32"
+
+
+def einsum_head(m, h, y):
+    return lp_of(torch.einsum("btd,vd->btv", h, m.weight), y)
+
+
+def weight_stored_transposed(m, h, y):
+    return lp_of(h @ m.weight.t().contiguous(), y)
+
+
+@pytest.mark.parametrize("spelling", [einsum_head, weight_stored_transposed])
+def test_unread_matmul_of_a_weight_gets_a_reason(spelling):
+    rep = check(spelling, rewrites=0)
+    (reason,) = skip_reasons(rep)
+    assert "weight" in reason and "does not read as an lm_head" in reason, reason
