@@ -208,8 +208,8 @@ def check(r: A.Region) -> tuple[list[fx.Node], str | None]:
 
 def _check_linear(r: A.Region) -> str | None:
     lin = r.linear
-    if lin.bias is not None:
-        return f"the linear has a bias ({lin.bias.name}); the fused op has none"
+    if lin.bias is not None and r.vocab_parallel is not None:
+        return f"the vocab-parallel linear has a bias ({lin.bias.name}); the vocab-parallel op has none"
     if G.graph_input(lin.weight) is None:
         return f"its weight {lin.weight.name} is computed in the graph, not a graph input (parameter)"
     hd, wd, od = G.dtype(lin.input), G.dtype(lin.weight), G.dtype(lin.node)

@@ -175,7 +175,8 @@ def _rewrite_region(
 
     # everything the calls read must exist before the anchor: move pure label computations up if needed
     for base, keyed in calls.items():
-        for n in (*(t for _, t in r.chain(base).tensor_scales), *(k[0] for k in keyed)):
+        chain = r.chain(base)
+        for n in (*(t for _, t in chain.tensor_scales), *(k[0] for k in keyed), chain.bias):
             _hoist(n, anchor, position)
     for n in plan.externals if plan is not None else ():
         _hoist(n, anchor, position)
@@ -217,12 +218,21 @@ def _rewrite_region(
             vp = r.vocab_parallel
             if vp is not None and int(ignore) >= 0:
                 raise A.Reject(f"ignore_index={ignore}: the vocab-parallel op needs a negative one (logits gathered)")
+            if vp is not None and (chain.bias is not None or chain.softcap):
+                raise A.Reject("a vocab-parallel lm_head with a bias or a softcap (the vocab-parallel op has neither)")
             with fake_mode:
                 expected = (
                     torch.empty(ls, dtype=torch.float32, device=device),
                     torch.empty(ls if with_entropy else (0,), dtype=torch.float32, device=device),
                 )
-            if vp is not None:  # the local weight's statistics, reduced across the group; no logits gathered
+            ext = plan is None and vp is None and (chain.bias is not None or bool(chain.softcap))
+            if ext:  # the op with options: a bias, a softcap (and the per-row extras, which none of these need)
+                args = [*args, chain.bias, float(chain.softcap), False, False, False]
+                fused = b.call(_ext_op(), *args)
+                with fake_mode:
+                    empty = torch.empty((0,), dtype=torch.float32, device=device)
+                    expected = (*expected, empty, empty, torch.empty((0,), dtype=torch.int64, device=device))
+            elif vp is not None:  # the local weight's statistics, reduced across the group; no logits gathered
                 args = [*args[:6], int(settings.ce_vocab_chunk), vp.group, vp.world, vp.rank]
                 fused = b.call(_vocab_parallel_op(), *args)
             elif plan is not None:  # extras and key are set once the loss function is extracted (below)
@@ -312,6 +322,10 @@ def _rewrite_region(
     spelled = dict.fromkeys(G.op(n) for n in r.order if G.op(n) in _SPELLING_OPS)
     joins = ", ".join(f"{k}" if n == 1 else f"{k} (x{n})" for k, n in collections.Counter(r.joins).items())
     autocast = f"; autocast to {str(compute).replace('torch.', '')}" if compute != G.dtype(h) else ""
+    biases = sorted({r.chain(bn).bias.name for bn in calls if r.chain(bn).bias is not None})
+    caps = sorted({f"{r.chain(bn).softcap:g}" for bn in calls if r.chain(bn).softcap})
+    autocast += f"; bias {'/'.join(biases)}" if biases else ""
+    autocast += f"; softcap {'/'.join(caps)}" if caps else ""
     detail = (
         f"{', '.join(dict.fromkeys(_output_name(r.values[n]) for n in escapes))} "
         f"(via {', '.join(spelled)}); temperature {'/'.join(temps)}"
@@ -341,6 +355,8 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) ->
         why = "the loss-aware mode is off (ce_loss_aware=0)"
     elif r.vocab_parallel is not None:
         why = "a vocab-parallel lm_head has no loss-aware mode"
+    elif any(r.chain(base).bias is not None or r.chain(base).softcap for base in calls):
+        why = "the loss-aware op has no bias or softcap"
     elif len(calls) != 1 or sum(1 for spec in next(iter(calls.values())).values() if "alias" not in spec) > 1:
         why = "more than one fused call (several label sets or views of the logits)"
     elif switch:
@@ -440,6 +456,12 @@ def _loss_op() -> Any:
     import tilecompile.ops.fused_linear_ce  # noqa: F401 - registers the op
 
     return torch.ops.tilecompile.fused_linear_logprob_loss.default
+
+
+def _ext_op() -> Any:
+    import tilecompile.ops.fused_linear_ce  # noqa: F401 - registers the op
+
+    return torch.ops.tilecompile.fused_linear_logprob_ext.default
 
 
 def _anchor_op() -> Any:

@@ -51,6 +51,14 @@ class Chain:
     replay: tuple[fx.Node, ...]  # views/slices from the linear output to here, to replay on h
     scale: float = 1.0  # product of Python-number multipliers (1 / temperature)
     tensor_scales: tuple[tuple[str, Any], ...] = ()  # ("div" | "mul", tensor or symbolic scalar)
+    # z = scale · softcap(h·Wᵀ + bias) (times the tensor scales), softcap(u) = c·tanh(u / c), none when c is 0
+    bias: fx.Node | None = None  # a [V] vector added to the product (F.linear's, ``+ b``, ``+= b``)
+    softcap: float = 0.0
+
+    @property
+    def transform(self) -> tuple:
+        """What the chain does to the product besides views: equal for chains that are the same logits."""
+        return (self.scale, self.tensor_scales, self.bias, self.softcap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +226,10 @@ class Analysis:
     def run(self) -> Region:
         r = self.r
         lin = r.linear.node
-        r.values[lin] = Chain(())
+        bias = r.linear.bias
+        if bias is not None and (len(G.shape(bias) or ()) != 1 or G.dtype(bias) not in FLOAT_DTYPES[:3]):
+            r.rejected = f"the linear's bias {bias.name} is not a [V] float16/bfloat16/float32 vector"
+        r.values[lin] = Chain((), bias=bias)
         r.order.append(lin)
         # visit the users of region nodes in graph order (a heap of positions): every region input of a node is
         # decided before the node, and nodes the logits never reach are never looked at
@@ -270,7 +281,14 @@ class Analysis:
             return Size(item) if item is not None else None
         if isinstance(xv, Parts) and name == "getitem":
             pc = r.values[xv.parent]
-            return Chain((*pc.replay, x, node), pc.scale, pc.tensor_scales)
+            return dataclasses.replace(pc, replay=(*pc.replay, x, node))
+        if name == "add" and len(node.args) == 2 and not node.kwargs:
+            for c, other in (node.args, node.args[::-1]):
+                cv = r.values.get(c) if isinstance(c, fx.Node) else None
+                if isinstance(cv, Chain) and isinstance(other, fx.Node) and other not in r.values:
+                    return self.biased(cv, other, node)
+        if name == "tanh" and isinstance(xv, Chain):
+            return self.softcapped(xv, node)
 
         if name in ("mul", "div") and len(node.args) == 2 and not node.kwargs:
             a, b = node.args
@@ -450,7 +468,7 @@ class Analysis:
         split = G.op(core[-1]) == "getitem" and G.op(core[-1].args[0]) in G.SPLIT_OPS
         if core[: len(core) - 1 - split] != parent.replay:
             return None
-        if (chain.scale, chain.tensor_scales) != (parent.scale, parent.tensor_scales):
+        if chain.transform != parent.transform:
             return None
         return cut
 
@@ -526,12 +544,12 @@ class Analysis:
         v: Chain = self.r.values[node]
         static = is_static(G.shape(node))
         replay = _core(v.replay) if static else v.replay
-        return self.bases.setdefault((_rows_key(replay), v.scale, v.tensor_scales, static), node)
+        return self.bases.setdefault((_rows_key(replay), v.transform, static), node)
 
     def reshaped_base(self, node: fx.Node, base: fx.Node) -> fx.Node:
         c = self.r.chain(base)
-        chain = Chain((*c.replay, node), c.scale, c.tensor_scales)
-        new = self.bases.setdefault((_rows_key(chain.replay), chain.scale, chain.tensor_scales, False), node)
+        chain = dataclasses.replace(c, replay=(*c.replay, node))
+        new = self.bases.setdefault((_rows_key(chain.replay), chain.transform, False), node)
         self.r.chains.setdefault(new, chain)
         return new
 
@@ -553,11 +571,11 @@ class Analysis:
             return xv
         if name == "size" and node.op == "call_method" and len(node.args) == 1 and not node.kwargs:
             return Size()
-        if node.target in ("div_", "mul_", operator.itruediv, operator.imul):
+        if node.target in ("div_", "mul_", "add_", operator.itruediv, operator.imul, operator.iadd):
             return self.inplace_scale(node, x, xv)
         if name in G.VIEW_OPS or name in ("getitem", "unflatten", "narrow", "select"):
             if self.leading_only(node, name, x):
-                return Chain((*xv.replay, node), xv.scale, xv.tensor_scales)
+                return dataclasses.replace(xv, replay=(*xv.replay, node))
         if name in G.SPLIT_OPS and x is node.args[0]:
             dim = G.normalize_dim(G.arg(node, 1 if name == "unbind" else 2, "dim", 0), ndim_of(x))
             if dim is not None and 0 <= dim < ndim_of(x) - 1:
@@ -575,7 +593,7 @@ class Analysis:
                     f"the logits are {how}: a temperature that is not finite and > 0 (the fused op's must be)"
                 )
                 return xv
-            return Chain(xv.replay, scale, xv.tensor_scales)
+            return dataclasses.replace(xv, scale=scale)
         if isinstance(other, fx.Node):
             value = G.example_value(other)
             if isinstance(value, torch.Tensor) and value.dim() != 0:
@@ -587,16 +605,45 @@ class Analysis:
                 return xv
             if isinstance(value, torch.Tensor) and not value.is_floating_point():
                 return None
-            return Chain(xv.replay, xv.scale, (*xv.tensor_scales, (name, other)))
+            if xv.softcap:
+                raise Reject(f"the logits are scaled by {other.name} after the softcap: only by a number")
+            return dataclasses.replace(xv, tensor_scales=(*xv.tensor_scales, (name, other)))
         return None
+
+    def biased(self, xv: Chain, bias: fx.Node, node: fx.Node) -> Chain | None:
+        """``z + b`` with b a [V] vector: the bias of the product, when nothing but views came between."""
+        if G.shape(bias) is None or len(G.shape(bias)) != 1 or G.hint(G.shape(bias)[0]) != self.r.vocab:
+            return None
+        if G.dtype(bias) not in FLOAT_DTYPES:
+            return None
+        if xv.scale != 1.0 or xv.tensor_scales or xv.softcap or xv.bias is not None:
+            raise Reject(
+                f"{node.name} adds {bias.name} to logits that are already scaled, softcapped or biased: only a bias "
+                "of the product itself (h·Wᵀ + b) is fused"
+            )
+        if G.dtype(bias) == torch.float64:
+            raise Reject(f"the bias {bias.name} is float64 (the fused op takes float16, bfloat16 or float32)")
+        return dataclasses.replace(xv, bias=bias)
+
+    def softcapped(self, xv: Chain, node: fx.Node) -> Chain:
+        """``tanh(s·u)`` of the chain ``s·u`` is ``s·softcap(u)`` with the cap c = 1/s: Gemma's
+        ``c·tanh(z / c)`` is the chain with scale 1 and softcap c once the ``· c`` follows."""
+        if xv.softcap or xv.tensor_scales or not math.isfinite(1.0 / xv.scale):
+            raise Reject(
+                f"tanh {node.name} of logits that are already softcapped or scaled by a tensor: only one softcap "
+                "c·tanh(z / c) with a number c is fused"
+            )
+        return dataclasses.replace(xv, softcap=1.0 / xv.scale)
 
     def inplace_scale(self, node: fx.Node, x: fx.Node, xv: Chain) -> str:
         r = self.r
-        scaled = self.scaled(
-            xv, "mul" if node.target in ("mul_", operator.imul) else "div", node.args[1] if len(node.args) > 1 else None
-        )
+        other = node.args[1] if len(node.args) > 1 else None
+        if node.target in ("add_", operator.iadd):
+            scaled = self.biased(xv, other, node) if isinstance(other, fx.Node) and other not in r.values else None
+        else:
+            scaled = self.scaled(xv, "mul" if node.target in ("mul_", operator.imul) else "div", other)
         if scaled is None or len(node.args) != 2 or node.kwargs:
-            raise Reject(f"in-place {node.target} on the logits ({node.name}) is not a temperature")
+            raise Reject(f"in-place {node.target} on the logits ({node.name}) is not a temperature or a bias")
         # the mutation is visible through every alias: allow it only where x's ancestors have no other use,
         # and where x itself was not read before it (those readers saw the unscaled logits)
         if any(u in r.values for u in x.users):
@@ -804,7 +851,7 @@ class Analysis:
         pv = self.r.values.get(parent) if isinstance(parent, fx.Node) else None
         if not isinstance(pv, Chain) or pv.replay != chain.replay[:-1]:
             return None
-        if (pv.scale, pv.tensor_scales) != (chain.scale, chain.tensor_scales):
+        if pv.transform != chain.transform:
             return None
         if not _equal_sizes(G.shape(node), G.shape(parent)[:-1]):
             return None

@@ -150,3 +150,97 @@ def test_unread_matmul_of_a_weight_gets_a_reason(spelling):
     rep = check(spelling, rewrites=0)
     (reason,) = skip_reasons(rep)
     assert "weight" in reason and "does not read as an lm_head" in reason, reason
+
+
+# ------------------------------------------------------------------------------------------------- bias
+
+
+def bias_linear(m, h, y):
+    z = F.linear(h, m.weight, m.bias)
+    return lp_of(z, y), entropy_of(z)
+
+
+def bias_added(m, h, y):
+    z = h @ m.weight.t() + m.bias
+    return F.cross_entropy(z.view(-1, V), y.view(-1))
+
+
+def bias_added_first(m, h, y):
+    z = m.bias + torch.matmul(h, m.weight.T)
+    return -F.cross_entropy(z.view(-1, V), y.view(-1), reduction="none"), entropy_of(z / 0.8)
+
+
+def bias_inplace(m, h, y):
+    z = h @ m.weight.t()
+    z += m.bias
+    return F.cross_entropy(z.view(-1, V), y.view(-1), reduction="sum")
+
+
+def bias_of_shifted_logits(m, h, y):
+    z = (h @ m.weight.t())[:, :-1] + m.bias
+    return F.cross_entropy(z.reshape(-1, V), y[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("spelling", [bias_linear, bias_added, bias_added_first, bias_inplace, bias_of_shifted_logits])
+def test_bias_fires_with_its_gradient(spelling):
+    (rw,) = check(spelling).rewrites
+    assert "; bias " in rw.detail, rw
+
+
+def bias_after_temperature(m, h, y):
+    return lp_of(h @ m.weight.t() / 0.5 + m.bias, y)
+
+
+def test_bias_after_a_temperature_gets_a_reason():
+    (reason,) = skip_reasons(check(bias_after_temperature, rewrites=0))
+    assert "already scaled" in reason, reason
+
+
+# ---------------------------------------------------------------------------------------------- softcap
+
+
+def gemma_softcap(m, h, y):
+    # Gemma 2/3's final_logit_softcapping, as transformers spells it
+    z = h @ m.weight.t()
+    z = z / 3.0
+    z = torch.tanh(z)
+    z = z * 3.0
+    return F.cross_entropy(z.view(-1, V), y.view(-1))
+
+
+def softcap_one_line_then_temperature(m, h, y):
+    z = 2.0 * (F.linear(h, m.weight) / 2.0).tanh()
+    z = z / 0.7
+    return lp_of(z, y), entropy_of(z)
+
+
+def softcap_with_bias(m, h, y):
+    z = torch.tanh((h @ m.weight.t() + m.bias) / 1.5) * 1.5
+    return lp_of(z, y), F.cross_entropy(z.view(-1, V), y.view(-1), ignore_index=3)
+
+
+def tanh_alone(m, h, y):
+    return entropy_of(torch.tanh(h @ m.weight.t()))  # a softcap of 1, scale 1
+
+
+SOFTCAPS = [gemma_softcap, softcap_one_line_then_temperature, softcap_with_bias, tanh_alone]
+
+
+@pytest.mark.parametrize("spelling", SOFTCAPS)
+def test_softcap_fires_with_its_gradient(spelling):
+    (rw,) = check(spelling).rewrites
+    assert "softcap" in rw.detail, rw
+
+
+def test_softcap_in_bf16_matches_float64_as_well_as_eager():
+    check(gemma_softcap, dtype=torch.bfloat16, tol=3e-2)
+
+
+def softcap_twice(m, h, y):
+    z = torch.tanh(torch.tanh(h @ m.weight.t() / 2.0))
+    return lp_of(z, y)
+
+
+def test_second_softcap_gets_a_reason():
+    (reason,) = skip_reasons(check(softcap_twice, rewrites=0))
+    assert "already softcapped" in reason, reason
