@@ -15,12 +15,22 @@ leading dim) joined back by ``torch.cat`` / ``torch.stack``, or written into a f
 ``buf[a:b].copy_(...)``) whose every row is written once before it is read, is that math on all the rows: TRL's
 row-by-row selective_log_softmax and chunked entropy_from_logits, OpenRLHF's chunked logsumexp. Parts that do not
 partition the rows (a row twice, a row left out, out of order, read before written) are skipped with the reason.
-Check: a per-row value that leaves the region must be ``α·logp + β·H (+ const)`` (its lse coefficients cancel);
+Check: a per-row value that leaves the region must be ``α·logp + β·H + γ·lse (+ const)`` (lse, for a z-loss, is an
+output of the op);
 logits or vocab-sized values must not leave it (returned, argmax, sampling, ...). Each check returns a reason.
 Rewrite (``passes/fused_linear_ce_rewrite.py``): views/slices on the logits are replayed on h (``logits[:, :-1]``
 becomes ``h[:, :-1]``), one op call per (logits view, labels, ignore_index), and each escaping value is rebuilt from
 logp / entropy and cast back to the dtype it had. Mean CE is ``−Σ logp / count(labels != ignore_index)`` (0/0 = nan, as
 ``F.cross_entropy``).
+
+Options (``tilecompile::fused_linear_logprob_ext``): a bias of the product (``F.linear(h, W, b)``, ``h @ W.t() + b``,
+``z += b``), a final-logit softcap (``tanh`` of the scaled logits: Gemma's ``c * tanh(z / c)``, then a temperature),
+lse on its own (a z-loss ``lse**2``, lse returned), label smoothing (``label_smoothing=ε``, or by hand: the mean of
+the log-probs over the vocabulary is ``Σ_j z_j / V − lse``, a linear form), class weights (CE / nll ``weight=``: a
+weighted gather, normalised by Σ w_y as torch does) and ``argmax`` of the logits (or of their log-softmax / softmax:
+token accuracy) all come out of the same pass over the vocabulary. The linear may be spelled with casts and
+transposes in any order (verl's ``torch.matmul(h.float(), W.transpose(0, 1).float())``); a product with a weight
+that it does not read as ``h·Wᵀ`` (einsum, a weight stored [D, V]) and that reaches a softmax is skipped with a reason.
 
 Temperature: a Python number goes to the op's ``temperature``. A tensor (or symbolic) temperature scales h instead,
 ``(h / t).to(h.dtype)``, and the op gets 1.0: exact in fp32, one extra rounding of h in bf16 (its grad flows to t).
@@ -281,9 +291,7 @@ def _describe_use(user: fx.Node) -> str:
 
 def _row_reason(node: fx.Node, v: A.Row) -> str | None:
     t = dict(v.terms)
-    lse = t.get("lse", 0.0) + t.get("spz", 0.0) + sum(c for k, c in t.items() if isinstance(k, tuple) and k[0] == "zy")
-    if abs(lse) > 1e-12:
-        return f"{node.name} uses logsumexp(logits) on its own (not as part of a log-prob or entropy)"
+    # lse on its own (a z-loss term, lse returned) is an output of the op; only a constant is no use
     if not any(k != "one" for k in t):
         return f"{node.name} is a constant of the logits' softmax"
     return None

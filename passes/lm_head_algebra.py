@@ -73,8 +73,10 @@ class Vocab:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """A per-row value: Σ coef · term with terms "lse", "spz" (Σ p·z), "one", ("zy", labels) and ("ce", labels,
-    ignore_index) (the unreduced CE, −logp masked); [..., 1] when ``keepdim``."""
+    """A per-row value: Σ coef · term with terms "lse", "spz" (Σ p·z), "zsum" (Σ_j z_j), "one", ("zy", labels),
+    ("ce", labels, ignore_index) (the unreduced CE, −logp masked), ("wce", labels, ignore_index, weight) (the
+    same times weight[labels]) and ("smooth", labels, ignore_index) (label smoothing's lse − Σ_j z_j / V, masked);
+    [..., 1] when ``keepdim``."""
 
     base: fx.Node
     terms: tuple[tuple[Any, float], ...]
@@ -89,6 +91,16 @@ class Reduced:
     labels: fx.Node
     ignore: int
     reduction: str
+    smoothing: float = 0.0  # label_smoothing=
+    weight: fx.Node | None = None  # class weights [V] (weight=)
+
+
+@dataclasses.dataclass(frozen=True)
+class Argmax:
+    """``argmax(z, -1)`` (of the logits, their log-softmax or softmax: the same index), an output of the op."""
+
+    base: fx.Node
+    keepdim: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,12 +333,14 @@ class Analysis:
             return Row(form[0], _form(lse=1), bool(keepdim))
         if name == "exp" and isinstance(xv, Vocab) and not xv.soft and xv.form == LOGP:
             return Vocab(xv.base, _form(one=1), True)
+        if name == "argmax" and xv is not None:
+            return self.argmax(node, x)
         if name in ("gather", "take_along_dim") and xv is not None:
             return self.gather(node, name, x)
         if name in ("cross_entropy", "nll_loss") and xv is not None:
             return self.cross_entropy(node, name, x)
-        if name == "sum" and xv is not None:
-            return self.vocab_sum(node, x, xv)
+        if name in ("sum", "mean") and xv is not None:
+            return self.vocab_sum(node, x, xv, name == "mean")
         if name in ("mul", "div", "add", "sub", "neg"):
             return self.arith(node, name)
         if name in ("squeeze", "unsqueeze") and isinstance(xv, Row):
@@ -738,12 +752,22 @@ class Analysis:
         reduction = G.arg(node, 6, "reduction", "mean")
         smoothing = G.arg(node, 7, "label_smoothing", 0.0) if name == "cross_entropy" else 0.0
         where = f"{name} {node.name}"
-        if weight is not None:
-            raise Reject(f"{where} has class weights (the fused op has none)")
         if size_average is not None or reduce is not None:
             raise Reject(f"{where} uses the legacy size_average/reduce arguments")
-        if smoothing:
-            raise Reject(f"{where} has label_smoothing={smoothing} (the fused op has none)")
+        if weight is not None:
+            ws = G.shape(weight) if isinstance(weight, fx.Node) else None
+            if ws is None or len(ws) != 1 or G.hint(ws[0]) != r.vocab or weight in r.values:
+                raise Reject(f"{where} has class weights that are not a [V] tensor")
+            if G.dtype(weight) not in FLOAT_DTYPES:
+                raise Reject(f"{where} has class weights of dtype {G.dtype(weight)}")
+        if not isinstance(smoothing, int | float) or isinstance(smoothing, bool) or not 0.0 <= smoothing <= 1.0:
+            raise Reject(f"{where} has label_smoothing={smoothing!r}, not a number in [0, 1]")
+        if smoothing and weight is not None:
+            raise Reject(
+                f"{where} has class weights and label_smoothing={smoothing} together (its smoothing term is a "
+                "weighted sum over the vocabulary, which the fused op does not compute)"
+            )
+        smoothing = float(smoothing)
         ignore, reduction = _pinned(ignore), _pinned(reduction)
         if not isinstance(ignore, int) or reduction not in ("none", "mean", "sum"):
             raise Reject(f"{where}: ignore_index={ignore!r} / reduction={reduction!r} are not constants it knows")
@@ -759,15 +783,35 @@ class Analysis:
             raise Reject(f"{where}: logits of shape {xs} with labels of shape {G.shape(labels)} (needs [N, V] and [N])")
         labels = _canonical_labels(labels)
         if reduction == "none":
-            return Row(form[0], ((("ce", labels, ignore), 1.0),), False)
-        return Reduced(form[0], labels, ignore, reduction)
+            if weight is not None:
+                return Row(form[0], ((("wce", labels, ignore, weight), 1.0),), False)
+            terms = _combine(((("ce", labels, ignore), 1.0 - smoothing),), ((("smooth", labels, ignore), smoothing),))
+            return Row(form[0], terms, False)
+        return Reduced(form[0], labels, ignore, reduction, smoothing, weight)
 
-    def vocab_sum(self, node: fx.Node, x: fx.Node, xv: Any) -> Row | None:
-        if not isinstance(xv, Vocab) or not xv.soft:
+    def argmax(self, node: fx.Node, x: fx.Node) -> Argmax | None:
+        """The index of the largest logit: the same for every increasing form of z (log-softmax, softmax)."""
+        form = self.vocab_form(x)
+        dim, keepdim = G.arg(node, 1, "dim"), G.arg(node, 2, "keepdim", False)
+        if form is None or dim is None or not _dim_is_last(dim, ndim_of(x)):
             return None
+        coef = dict(form[1])
+        if (form[2] and form[1] != SOFTMAX) or (not form[2] and coef.get("z", 0.0) <= 0):
+            return None
+        return Argmax(form[0], bool(keepdim))
+
+    def vocab_sum(self, node: fx.Node, x: fx.Node, xv: Any, mean: bool = False) -> Row | None:
         dim = G.arg(node, 1, "dim")
         keepdim = G.arg(node, 2, "keepdim", False)
         if dim is None or not _dim_is_last(dim, ndim_of(x)) or node.kwargs.get("dtype") not in (None, *FLOAT_DTYPES):
+            return None
+        form = self.vocab_form(x)
+        if form is not None and not form[2]:
+            # Σ_j (a z_j + b lse + c) = a Σz + V (b lse + c): label smoothing's mean log-prob, a linear form
+            a, n = dict(form[1]), self.r.vocab
+            terms = _form(zsum=a.get("z", 0), lse=a.get("lse", 0) * n, one=a.get("one", 0) * n)
+            return Row(form[0], _scaled(terms, 1.0 / n) if mean else terms, bool(keepdim))
+        if not isinstance(xv, Vocab) or not xv.soft or mean:
             return None
         a = dict(xv.form)
         # Σ_j p_j (a z_j + b lse + c) = a Σ p z + b lse + c

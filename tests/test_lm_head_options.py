@@ -244,3 +244,161 @@ def softcap_twice(m, h, y):
 def test_second_softcap_gets_a_reason():
     (reason,) = skip_reasons(check(softcap_twice, rewrites=0))
     assert "already softcapped" in reason, reason
+
+
+# ----------------------------------------------------------------------------------------- z-loss, lse
+
+
+def z_loss_scalar(m, h, y):
+    z = (h @ m.weight.t()).view(-1, V)
+    return F.cross_entropy(z, y.view(-1)) + 1e-2 * torch.logsumexp(z, dim=-1).pow(2).mean()
+
+
+def liger_z_loss(m, h, y, scale=1e-4):
+    # Liger's reference: CE over the non-ignored tokens plus scale · lse² over the same tokens (even at scale 0)
+    z = F.linear(h, m.weight, m.bias).view(-1, V).float()
+    y = y.view(-1)
+    keep = y != -100
+    lse = torch.logsumexp(z, dim=-1)
+    ce = F.cross_entropy(z, y, reduction="sum") / keep.sum()
+    return ce + scale * (lse.pow(2) * keep).sum() / keep.sum(), lse
+
+
+def liger_z_loss_scale_zero(m, h, y):
+    return liger_z_loss(m, h, y, scale=0.0)
+
+
+def lse_returned_with_logp(m, h, y):
+    z = torch.tanh(h @ m.weight.t() / 4.0) * 4.0
+    return lp_of(z, y), z.logsumexp(-1, keepdim=True)
+
+
+def logp_plus_lse(m, h, y):
+    z = h @ m.weight.t()
+    return z.gather(-1, y.unsqueeze(-1)).squeeze(-1) + 0.5 * torch.logsumexp(z, -1)  # z_y − lse/2
+
+
+@pytest.mark.parametrize("spelling", [z_loss_scalar, liger_z_loss, liger_z_loss_scale_zero, lse_returned_with_logp,
+                                      logp_plus_lse])  # fmt: skip
+def test_z_loss_and_lse_fire_with_their_gradient(spelling):
+    labels = torch.randint(0, V, (3, 5))
+    if spelling in (liger_z_loss, liger_z_loss_scale_zero):
+        labels[0, ::2] = -100
+    (rw,) = check(spelling, labels=labels).rewrites
+    assert "recompute mode" in rw.detail and "lse" in rw.detail, rw
+
+
+# ------------------------------------------------------------------------- label smoothing, class weights
+
+
+def smoothing_mean(m, h, y):
+    return F.cross_entropy((h @ m.weight.t()).view(-1, V), y.view(-1), label_smoothing=0.1)
+
+
+def smoothing_sum_ignore(m, h, y):
+    z = F.linear(h, m.weight, m.bias).view(-1, V)
+    return F.cross_entropy(z, y.view(-1), label_smoothing=0.25, reduction="sum", ignore_index=-100)
+
+
+def smoothing_none(m, h, y):
+    z = h @ m.weight.t()
+    return F.cross_entropy(z.view(-1, V), y.view(-1), label_smoothing=0.3, reduction="none")
+
+
+def smoothing_by_hand(m, h, y):
+    # Liger's / CCE's spelling: (1 − ε)·nll + ε·(−mean_j log p_j)
+    logp = (torch.tanh(h @ m.weight.t() / 5.0) * 5.0).log_softmax(-1)
+    nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    return ((1 - 0.2) * nll - 0.2 * logp.mean(-1)).mean()
+
+
+def class_weights_mean(m, h, y, w):
+    return F.cross_entropy((h @ m.weight.t()).view(-1, V), y.view(-1), weight=w)
+
+
+def class_weights_none(m, h, y, w):
+    return F.cross_entropy((h @ m.weight.t()).view(-1, V), y.view(-1), weight=w, reduction="none")
+
+
+def class_weights_nll_sum(m, h, y, w):
+    logp = F.log_softmax(F.linear(h, m.weight, m.bias).view(-1, V), -1)
+    return F.nll_loss(logp, y.view(-1), weight=w, reduction="sum", ignore_index=-100)
+
+
+def weighted_gather(m, h, y, w):
+    # the class weight applied by hand to the gathered log-prob
+    return -(w[y] * lp_of(h @ m.weight.t(), y)).mean()
+
+
+WEIGHTS = (torch.rand(V) + 0.1,)
+SMOOTHING_AND_WEIGHTS = [
+    (smoothing_mean, ()),
+    (smoothing_sum_ignore, ()),
+    (smoothing_none, ()),
+    (smoothing_by_hand, ()),
+    (class_weights_mean, WEIGHTS),
+    (class_weights_none, WEIGHTS),
+    (class_weights_nll_sum, WEIGHTS),
+    (weighted_gather, WEIGHTS),
+]
+
+
+@pytest.mark.parametrize(("spelling", "extra"), SMOOTHING_AND_WEIGHTS, ids=lambda x: getattr(x, "__name__", ""))
+def test_label_smoothing_and_class_weights_fire(spelling, extra):
+    labels = torch.randint(0, V, (3, 5))
+    if spelling not in (smoothing_by_hand, weighted_gather):
+        labels[1, 1::2] = -100
+    check(spelling, extra=extra, labels=labels)
+
+
+def smoothing_and_weights(m, h, y, w):
+    return F.cross_entropy((h @ m.weight.t()).view(-1, V), y.view(-1), weight=w, label_smoothing=0.1)
+
+
+def test_label_smoothing_with_class_weights_gets_a_reason():
+    (reason,) = skip_reasons(check(smoothing_and_weights, extra=WEIGHTS, rewrites=0))
+    assert "class weights and label_smoothing" in reason, reason
+
+
+# ------------------------------------------------------------------------------------------------- argmax
+
+
+def accuracy(m, h, y):
+    z = h @ m.weight.t() + m.bias
+    return F.cross_entropy(z.view(-1, V), y.view(-1)), (z.argmax(-1) == y).float().mean()
+
+
+def predicted_tokens(m, h, y):
+    z = torch.tanh(h @ m.weight.t() / 3.0) * 3.0
+    return lp_of(z, y), z.log_softmax(-1).argmax(dim=-1, keepdim=True)
+
+
+def greedy_of_softmax(m, h, y):
+    z = h @ m.weight.t() / 0.7
+    return entropy_of(z), z.softmax(-1).argmax(-1)
+
+
+@pytest.mark.parametrize("spelling", [accuracy, predicted_tokens, greedy_of_softmax])
+def test_argmax_is_an_output_of_the_fused_op(spelling):
+    (rw,) = check(spelling).rewrites
+    assert "argmax" in rw.detail, rw
+
+
+def argmax_of_negated(m, h, y):
+    z = h @ m.weight.t()
+    return lp_of(z, y), (-z.log_softmax(-1)).argmax(-1)  # the least likely token: not the op's argmax
+
+
+def test_argmax_of_a_decreasing_form_gets_a_reason():
+    (reason,) = skip_reasons(check(argmax_of_negated, rewrites=0))
+    assert "argmax" in reason, reason
+
+
+def bias_then_tensor_temperature(m, h, y, t):
+    z = (F.linear(h, m.weight, m.bias) / t).float()
+    return lp_of(z, y), entropy_of(z)
+
+
+def test_bias_then_tensor_temperature_scales_the_bias_too():
+    # the tensor temperature is folded into h; (h·Wᵀ + b) / t needs b / t as the op's bias (grads to t as well)
+    check(bias_then_tensor_temperature, extra=(torch.tensor(0.6, requires_grad=True),))
