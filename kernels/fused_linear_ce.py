@@ -693,6 +693,7 @@ def fused_linear_logprob_loss_fwd(
     block_rows: int = 0,
     use_triton: bool | None = None,
     gemm_dtype: torch.dtype | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss-aware forward: log-probs, entropy and the gradients of a scalar loss, in 3 GEMMs instead of 4.
 
@@ -745,9 +746,10 @@ def fused_linear_logprob_loss_fwd(
         )
         ent_r = ent[rows] if ent is not None else None
         fwd_epilogue(z, labels[rows], state, logp[rows], ent_r, stats[rows], 0, scalar_t, ignore_index,
-                     with_entropy, True, _ROW_LAUNCH)  # fmt: skip
+                     with_entropy, True, _ROW_LAUNCH, softcap=softcap)  # fmt: skip
         glp, gent = grad_of(logp, ent, r0, r1)
-        bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index, _ROW_BWD_LAUNCH)
+        bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index, _ROW_BWD_LAUNCH,
+                     softcap=softcap)  # fmt: skip
         torch.mm(z, wg, out=dh[rows])
         if dw is None:
             dw = torch.mm(z.t(), h_r)

@@ -259,7 +259,7 @@ def _rewrite_region(
                     torch.empty(ls if with_entropy else (0,), dtype=torch.float32, device=device),
                 )
             ext = plan is None and vp is None
-            ext = ext and (chain.bias is not None or bool(chain.softcap) or base in extras)
+            ext = ext and (chain.bias is not None or bool(chain.softcap) or base in extras)  # loss-aware: a softcap
             if ext:  # the op with options: a bias, a softcap, lse, Σz, argmax
                 args = [*args, bias, float(chain.softcap), with_lse, with_zsum, with_argmax]
                 fused = b.call(_ext_op(), *args)
@@ -273,7 +273,8 @@ def _rewrite_region(
                 fused = b.call(_vocab_parallel_op(), *args)
             elif plan is not None:  # extras and key are set once the loss function is extracted (below)
                 detached = [b.call("detach", x, method=True) for x in (hb, weight)]
-                args = [*detached, *args[2:7], [], 0, int(settings.ce_loss_block_rows), _grad_backend(settings, device)]
+                args = [*detached, *args[2:7], [], 0, int(settings.ce_loss_block_rows), _grad_backend(settings, device),
+                        float(chain.softcap)]  # fmt: skip
                 fused = b.call(_loss_op(), *args)
                 with fake_mode:
                     expected = (
@@ -397,8 +398,8 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) ->
         why = "the loss-aware mode is off (ce_loss_aware=0)"
     elif r.vocab_parallel is not None:
         why = "a vocab-parallel lm_head has no loss-aware mode"
-    elif any(r.chain(base).bias is not None or r.chain(base).softcap for base in calls):
-        why = "the loss-aware op has no bias or softcap"
+    elif any(r.chain(base).bias is not None for base in calls):
+        why = "the loss-aware op has no bias"
     elif any(isinstance(r.values[n], A.Argmax) for n in escapes):
         why = "the loss-aware op has no argmax output"
     elif any(isinstance(r.values[n], A.Row) and abs(lse_coefficient(r.values[n])) > 1e-12 for n in escapes):

@@ -137,6 +137,16 @@ _INTERPRET_SCRIPT = textwrap.dedent(
                 if a is not None:
                     tol = 1e-5 if dt == torch.float32 else 3e-3
                     torch.testing.assert_close(a.float(), e.float(), rtol=tol, atol=tol * e.float().abs().max().item())
+    # the loss-aware forward with a softcap (its row-block epilogues)
+    def grad_of(lp, ent, r0, r1):
+        return (torch.sin(lp[r0:r1]) + 0.5).contiguous(), (0.1 * ent[r0:r1]).contiguous()
+
+    h, w = torch.randn(n, d), torch.randn(v, d) / d**0.5 * 3
+    args = ([h[:4], h[4:]], w, y, 1 / 0.7, -100, True, grad_of)
+    got = K.fused_linear_logprob_loss_fwd(*args, block_rows=3, use_triton=True, softcap=2.0)
+    exp = K.fused_linear_logprob_loss_fwd(*args, block_rows=3, use_triton=False, softcap=2.0)
+    for a, e in zip(got, exp):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
     print("interpreter ok")
     """
 )

@@ -402,3 +402,11 @@ def bias_then_tensor_temperature(m, h, y, t):
 def test_bias_then_tensor_temperature_scales_the_bias_too():
     # the tensor temperature is folded into h; (h·Wᵀ + b) / t needs b / t as the op's bias (grads to t as well)
     check(bias_then_tensor_temperature, extra=(torch.tensor(0.6, requires_grad=True),))
+
+
+def test_softcapped_scalar_loss_takes_the_loss_aware_mode():
+    # Gemma's CE reduces to one scalar: the grads come out of the forward (3 GEMMs) with the softcap's derivative
+    labels = torch.randint(0, V, (3, 5))
+    labels[2, ::2] = -100
+    (rw,) = check(gemma_softcap, labels=labels).rewrites
+    assert "loss-aware mode" in rw.detail and "softcap 3" in rw.detail, rw

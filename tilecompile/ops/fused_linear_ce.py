@@ -648,6 +648,7 @@ def fused_linear_logprob_loss(
     loss_key: int,
     block_rows: int = 0,
     grad_backend: str = "eager",
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss-aware mode: (logp, entropy or empty [0], grad_h, grad_weight), not differentiable.
 
@@ -656,8 +657,10 @@ def fused_linear_logprob_loss(
     forward has anyway (3 GEMMs). The pass calls it on detached h and weight and routes the gradient through
     ``loss_anchor``: S + loss_anchor(h, weight, grad_h, grad_weight) is S, and its backward is g·grad_h, g·grad_weight.
     ``grad_backend``: the torch.compile backend that compiles F's per-token gradient ("eager": none).
+    ``softcap``: the logits are softcap·tanh(h·Wᵀ / softcap) / t (0: none), as for ``fused_linear_logprob_ext``.
     """
     _check_static(h, weight, labels, temperature)
+    _check_options(weight, None, softcap)
     if loss_key not in _LOSS_FNS:
         raise RuntimeError(f"tilecompile: no loss function registered under key {loss_key} (compile in this process)")
     if not h.is_cuda or check_inputs:
@@ -666,7 +669,7 @@ def fused_linear_logprob_loss(
     grad_of = _per_token_grads(_LOSS_FNS[loss_key], loss_key, extras, labels.shape, with_entropy, grad_backend)
     logp, ent, _stats, dh, dw = K.fused_linear_logprob_loss_fwd(
         _row_segments(h), weight, labels1, 1.0 / float(temperature), ignore_index, with_entropy, grad_of,
-        block_rows=block_rows,
+        block_rows=block_rows, softcap=float(softcap),
     )  # fmt: skip
     ent_out = ent.reshape(labels.shape) if ent is not None else h.new_empty(0, dtype=torch.float32)
     return logp.reshape(labels.shape), ent_out, dh.reshape(h.shape), dw
@@ -674,8 +677,9 @@ def fused_linear_logprob_loss(
 
 @fused_linear_logprob_loss.register_fake
 def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, extras, loss_key, block_rows=0,
-      grad_backend="eager"):  # fmt: skip
+      grad_backend="eager", softcap=0.0):  # fmt: skip
     _check_static(h, weight, labels, temperature)
+    _check_options(weight, None, softcap)
     logp = labels.new_empty(labels.shape, dtype=torch.float32)
     ent = labels.new_empty(labels.shape if with_entropy else (0,), dtype=torch.float32)
     # contiguous, as the op returns them (empty_like would keep a transposed h's strides)
