@@ -142,6 +142,7 @@ if HAS_TRITON:
                 x, _th = _logits(z, v_start + cols, mask, bias_ptr, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP)
                 if HAS_ARGMAX:
                     # strictly greater than the running max: the first index of the largest logit, as torch.argmax
+                    # (a NaN logit is not followed as torch's argmax follows it: the CPU path does)
                     tile_max = tl.max(x, axis=0)
                     tile_arg = tl.argmax(x, axis=0)
                     best = tl.where(tile_max > m, (v_start + c0 + tile_arg).to(tl.int64), best)
@@ -356,8 +357,10 @@ def _torch_fwd_epilogue(
     x, _ = _torch_logits(z, v_start, inv_t, bias, softcap)
     x = torch.where(row_on[:, None], x, float("-inf"))
     if argmax is not None and z.shape[1]:
-        tile_max, tile_arg = x.max(dim=1)  # the first index of the largest, as torch.argmax
-        argmax.copy_(torch.where(tile_max > m, tile_arg + v_start, argmax))
+        # the first index of the largest, as torch.argmax, which takes a NaN for the largest (max propagates it)
+        tile_max, tile_arg = x.max(dim=1)
+        first_nan = tile_max.isnan() & ~m.isnan()
+        argmax.copy_(torch.where((tile_max > m) | first_nan, tile_arg + v_start, argmax))
     if zsum is not None:
         zsum.add_(torch.where(row_on[:, None], x, 0.0).sum(dim=1))
     m_new = torch.maximum(m, x.amax(dim=1))

@@ -410,3 +410,38 @@ def test_softcapped_scalar_loss_takes_the_loss_aware_mode():
     labels[2, ::2] = -100
     (rw,) = check(gemma_softcap, labels=labels).rewrites
     assert "loss-aware mode" in rw.detail and "softcap 3" in rw.detail, rw
+
+
+# ------------------------------------------------------------------------------------ a Gemma 2 model
+
+
+def test_gemma2_final_logit_softcap_fuses_and_matches_eager():
+    """A tiny Gemma 2 (final_logit_softcapping=30, tied embedding) through an SFT step: its lm_head, softcap and
+    cross-entropy become one fused call, and the loss and every grad equal eager's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, vocab_size=101, max_position_embeddings=32, final_logit_softcapping=30.0,
+        attn_logit_softcapping=None, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 101, (2, 9))
+
+    def step(m, ids):
+        logits = m(input_ids=ids, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 101), ids[:, 1:].reshape(-1))
+
+    expected = step(reference, ids)
+    expected.backward()
+    got = torch.compile(step, backend="tilecompile", options=OPTIONS)(model, ids)
+    got.backward()
+    rep = tilecompile.report()
+    (rw,) = rep.rewrites
+    assert rw.pass_name == "fused_linear_ce" and "softcap 30" in rw.detail, rw
+    assert not skip_reasons(rep), rep  # the attention's q·kᵀ (a product reaching a softmax) is no lm_head
+    assert_close(got, expected, rtol=1e-5, atol=1e-5, name="loss")
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-5, name=f"grad of {name}")
