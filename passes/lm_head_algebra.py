@@ -642,7 +642,7 @@ class Analysis:
     def softcapped(self, xv: Chain, node: fx.Node) -> Chain:
         """``tanh(s·u)`` of the chain ``s·u`` is ``s·softcap(u)`` with the cap c = 1/s: Gemma's
         ``c·tanh(z / c)`` is the chain with scale 1 and softcap c once the ``· c`` follows."""
-        if xv.softcap or xv.tensor_scales or not math.isfinite(1.0 / xv.scale):
+        if xv.softcap or xv.tensor_scales or not xv.scale > 0 or not math.isfinite(1.0 / xv.scale):
             raise Reject(
                 f"tanh {node.name} of logits that are already softcapped or scaled by a tensor: only one softcap "
                 "c·tanh(z / c) with a number c is fused"
