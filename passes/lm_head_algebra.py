@@ -620,7 +620,10 @@ class Analysis:
             if isinstance(value, torch.Tensor) and not value.is_floating_point():
                 return None
             if xv.softcap:
-                raise Reject(f"the logits are scaled by {other.name} after the softcap: only by a number")
+                pinned = _pinned_number(other)  # a symbolic float (dynamic=True): the number it is, under a guard
+                if pinned is None or pinned <= 0 or not math.isfinite(pinned):
+                    raise Reject(f"the logits are scaled by {other.name} after the softcap: only by a number")
+                return self.scaled(xv, name, pinned)
             return dataclasses.replace(xv, tensor_scales=(*xv.tensor_scales, (name, other)))
         return None
 
@@ -642,6 +645,14 @@ class Analysis:
     def softcapped(self, xv: Chain, node: fx.Node) -> Chain:
         """``tanh(s·u)`` of the chain ``s·u`` is ``s·softcap(u)`` with the cap c = 1/s: Gemma's
         ``c·tanh(z / c)`` is the chain with scale 1 and softcap c once the ``· c`` follows."""
+        scale = xv.scale
+        for kind, t in xv.tensor_scales:  # symbolic floats (dynamic=True) are pinned to their numbers
+            pinned = _pinned_number(t)
+            if pinned is None or pinned <= 0 or not math.isfinite(pinned):
+                scale = float("nan")
+                break
+            scale = scale * pinned if kind == "mul" else scale / pinned
+        xv = dataclasses.replace(xv, scale=scale, tensor_scales=()) if math.isfinite(scale) else xv
         if xv.softcap or xv.tensor_scales or not xv.scale > 0 or not math.isfinite(1.0 / xv.scale):
             raise Reject(
                 f"tanh {node.name} of logits that are already softcapped or scaled by a tensor: only one softcap "
@@ -929,6 +940,22 @@ def _pinned(x: Any) -> Any:
         return guard_int(value)
     except Exception:  # noqa: BLE001 - unbacked (data-dependent): no value to pin, left as it is
         return x
+
+
+def _pinned_number(x: Any) -> float | None:
+    """A symbolic scalar (a Python float Dynamo made an input under dynamic shapes) as the number it is in this
+    call, under a guard (a call with another value recompiles); None for a tensor or what cannot be pinned."""
+    value = G.example_value(x) if isinstance(x, fx.Node) else x
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, torch.SymFloat | torch.SymInt):
+        return None
+    from torch.fx.experimental.symbolic_shapes import guard_float, guard_int
+
+    try:
+        return float(guard_float(value) if isinstance(value, torch.SymFloat) else guard_int(value))
+    except Exception:  # noqa: BLE001 - unbacked (data-dependent): no number to pin
+        return None
 
 
 def _scale_value(v: Any, s: float | None) -> Any:
