@@ -496,6 +496,15 @@ def test_ce_duck_sized_dynamic_rows_example():
     execute(ce_run(spec, ci, torch.bfloat16, Layout(lead=(3, 3), extra_lengths=(1,), dynamic=True), True, 0))
 
 
+def test_ce_softcap_under_dynamic_shapes_example():
+    """Found by a random run of the new options: under dynamic=True Dynamo makes the softcap's 1.5 a symbolic float
+    (a graph input), which the algebra took for a tensor scale and skipped; it is pinned to its number now."""
+    spec = CESpec(head="nll_mean_reshaped_logp", linear="F.linear", temperature="mul_inv", t=1.0, cast_float=False,
+                  shift=False, ignore_index=-100, autocast=False, chunk=3, bias="add", softcap=1.5)  # fmt: skip
+    ci = CEInputs(vocab=24, dim=1, ignore_density=0.0, scale=0.3, h_grad=True, w_frozen=False, vocab_chunk=16)
+    execute(ce_run(spec, ci, torch.float16, Layout(lead=(11,), extra_lengths=(12, 1), dynamic=True), False, 130))
+
+
 @examples(ci=20, long=800)
 @given(case=ce_cases(near_miss=True))
 def test_ce_near_misses_are_left_alone(case):
