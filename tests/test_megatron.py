@@ -15,6 +15,7 @@ placed there), the default causal mask (made on "cuda") and the CUDA RNG tracker
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import pytest
@@ -244,3 +245,37 @@ def test_cross_entropy_of_logits_from_outside_the_graph_gets_a_reason(mcore_cpu)
     assert_close(z.grad, z_ref.grad, rtol=RTOL, atol=ATOL, name="grad of z")
     (skip,) = tilecompile.report().skipped
     assert "_VocabParallelCrossEntropy not fused: its logits come from no linear" in skip.reason, skip
+
+
+def _tp2_rank(rank: int, store: str, out: str) -> None:
+    """One rank of a tensor-parallel group of two: the labels= step compiled against the same model in eager."""
+    import torch.distributed as dist
+
+    os.environ["TILECOMPILE_STRICT"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    parallel_state.initialize_model_parallel(2, 1)
+    torch._dynamo.trace_rules.get_torch_obj_rule_map()  # before the patch (init_process_group clears it)
+    torch.cuda.current_device = lambda: "cpu"
+    transformer_utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = _causal_mask
+    mcore_tp.get_cuda_rng_tracker = lambda *a, **k: _NoForkTracker()
+    torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    try:
+        rep = _against_eager(labels_step)
+        with open(f"{out}.{rank}", "w") as f:
+            f.write("\n".join([f"graphs {rep.graphs}", *(f"{k} {v}" for k, v in rep.counts.items())]))
+            f.write("".join(f"\nskip {s.pass_name}: {s.reason}" for s in rep.skipped))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_two_ranks_stays_correct_and_says_why_nothing_is_fused(tmp_path):
+    """TP = 2 over gloo: Dynamo runs each ColumnParallelLinear outside the graphs (its backward's async all-reduce),
+    the vocab-parallel CE over two ranks is refused with its reason, and on each rank the loss and every gradient of
+    its shards equal eager's."""
+    torch.multiprocessing.spawn(_tp2_rank, args=(str(tmp_path / "store"), str(tmp_path / "rep")), nprocs=2, join=True)
+    for rank in range(2):
+        lines = (tmp_path / f"rep.{rank}").read_text().splitlines()
+        assert "fused_linear_ce 0" in lines and int(lines[0].split()[1]) > 1, lines
+        assert any("tensor-parallel group of 2 ranks" in x for x in lines if x.startswith("skip canonical")), lines
