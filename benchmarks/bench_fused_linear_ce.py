@@ -14,8 +14,15 @@ FLOP floors, with the bf16 matmul rate R measured in the same run (8192³ produc
     forward = 2·N·D·V / R            (one GEMM: z = h·Wᵀ)
     fwd+bwd = 6·N·D·V / R            (z, dh = dz·W, dW = dzᵀ·h; a recomputing method does 8·N·D·V)
 
+With ``--softcap C`` and / or ``--z-loss S`` every method computes instead the per-token loss of Gemma-style
+softcapped logits with a z-loss, ℓ = −log p_y + S·lse², z = C·tanh(h·Wᵀ / C) (what Liger's fused linear CE
+computes with ``softcap=C, lse_square_scale=S, reduction="none"``): eager, Inductor, tilecompile's
+``fused_linear_logprob_ext`` (lse as an output) and Liger with the same options, when importable. The upstream
+grad of ℓ is g_lp; the columns relerr_lp / relerr_dh / relerr_dw then compare ℓ and its grads with eager's.
+
 usage: python benchmarks/bench_fused_linear_ce.py [--shapes 16384:4096:151936,...] [--modes fwdbwd,fwd]
            [--only eager,inductor,tilecompile] [--chunks 8192] [--reps 5] [--check] [--csv PATH]
+           [--softcap 30] [--z-loss 1e-4]
 """
 
 from __future__ import annotations
@@ -44,6 +51,52 @@ def eager_lp_ent(h, w, y, t=1.0):
     pd = F.softmax(logits, dim=-1)
     ent = torch.logsumexp(logits, dim=-1) - torch.sum(pd * logits, dim=-1)
     return logp, ent
+
+
+def eager_softcap_z_loss(h, w, y, softcap, z_loss):
+    """Per-token −log p_y + z_loss·lse² of z = softcap·tanh(h·Wᵀ / softcap) (softcap 0: none), fp32 logits."""
+    z = (h @ w.t()).float()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    return z.gather(-1, y.unsqueeze(-1)).squeeze(-1) * -1 + lse + z_loss * lse * lse, None
+
+
+def build_loss_methods(only, softcap, z_loss):
+    """The methods of the softcap / z-loss comparison: (h, w, y) -> (per-token loss, None)."""
+
+    def eager(h, w, y):
+        return eager_softcap_z_loss(h, w, y, softcap, z_loss)
+
+    m = {"eager": eager, "inductor": torch.compile(eager)}
+    try:
+        from tilecompile.ops.fused_linear_ce import NO_IGNORE  # noqa: F401 - registers the ops
+
+        def tilecompile_ext(h, w, y):
+            logp, _, lse, _, _ = torch.ops.tilecompile.fused_linear_logprob_ext(
+                h, w, y, 1.0, -100, False, False, 0, None, float(softcap), True
+            )
+            return -logp + z_loss * lse * lse, None
+
+        m["tilecompile"] = tilecompile_ext
+    except Exception as e:  # noqa: BLE001
+        print("tilecompile unavailable:", e)
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def liger(h, w, y):
+            out = liger_fused_linear_cross_entropy(
+                h, w, y, lse_square_scale=z_loss, reduction="none", softcap=softcap or None
+            )
+            out = getattr(out, "loss", out)
+            return (out[0] if isinstance(out, tuple) else out), None
+
+        m["liger"] = liger
+    except Exception as e:  # noqa: BLE001
+        print("liger unavailable:", e)
+    if only:
+        m = {k: v for k, v in m.items() if k in only}
+    return m
 
 
 def _with_chunk(fn, chunk):
@@ -168,7 +221,8 @@ def matmul_tflops():
     return 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3) / 1e12
 
 
-def bench_shape(n, d, v, modes, methods, reps, tflops, meta, writer, dtype=torch.bfloat16):
+def bench_shape(n, d, v, modes, methods, reps, tflops, meta, writer, dtype=torch.bfloat16, label=""):
+    """``label``: appended to each method's name in the CSV (the loss comparison's options)."""
     torch.manual_seed(0)
     h = torch.randn(n, d, device="cuda").to(dtype).requires_grad_()
     w = (torch.randn(v, d, device="cuda") / d**0.5).to(dtype).requires_grad_()
@@ -182,7 +236,8 @@ def bench_shape(n, d, v, modes, methods, reps, tflops, meta, writer, dtype=torch
         print(f"\n== N={n} D={d} V={v} {str(dtype)[6:]} {mode}: floor {floor:.2f} ms at {tflops:.0f} TFLOP/s")
         rows, refs = {}, {}
         for name, fn in methods.items():
-            row = dict(meta, N=n, D=d, V=v, dtype=str(dtype)[6:], mode=mode, method=name, matmul_tflops=f"{tflops:.0f}")
+            row = dict(meta, N=n, D=d, V=v, dtype=str(dtype)[6:], mode=mode, method=name + label)
+            row["matmul_tflops"] = f"{tflops:.0f}"
             row["floor_ms"] = f"{floor:.3f}"
             try:
                 need = n * v * (32 if not fwd_only else 16)  # eager holds ~8 fp32 [N, V] tensors in fwd+bwd
@@ -351,6 +406,8 @@ def main():
     ap.add_argument("--check", action="store_true", help="also print errors against float64 on a mid shape")
     ap.add_argument("--breakdown", default="", help="chunk sizes (0 = auto) for a per-part timing of the op")
     ap.add_argument("--csv", default="benchmarks/results/fused_linear_ce.csv")
+    ap.add_argument("--softcap", type=float, default=0.0, help="final-logit softcap C (the loss comparison)")
+    ap.add_argument("--z-loss", type=float, default=0.0, help="z-loss scale S (the loss comparison)")
     a = ap.parse_args()
     import triton
 
@@ -375,7 +432,12 @@ def main():
         if not a.only and not a.chunks:
             return
     chunks = [int(c) for c in a.chunks.split(",") if c]
-    methods = build_methods([o for o in a.only.split(",") if o], chunks)
+    only = [o for o in a.only.split(",") if o]
+    label = f"[softcap={a.softcap:g},z_loss={a.z_loss:g}]" if a.softcap or a.z_loss else ""
+    if label:
+        methods = build_loss_methods(only, a.softcap, a.z_loss)
+    else:
+        methods = build_methods(only, chunks)
     os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
     new = not os.path.exists(a.csv)
     with open(a.csv, "a", newline="") as f:
@@ -384,7 +446,7 @@ def main():
             writer.writeheader()
         for shape in a.shapes.split(","):
             n, d, v = (int(x) for x in shape.split(":"))
-            bench_shape(n, d, v, a.modes.split(","), methods, a.reps, tflops, meta, writer)
+            bench_shape(n, d, v, a.modes.split(","), methods, a.reps, tflops, meta, writer, label=label)
             f.flush()
 
 

@@ -352,20 +352,94 @@ def _rows4(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous()
 
 
-def _dense(fn, *args):
-    """``fn(*args)`` through the whole-row kernel, or None (after a warning, once) where it raises."""
-    if not _DENSE_OK[0]:
+def _guarded(ok: list[bool], what: str, instead: str, fn, *args):
+    """``fn(*args)``, or None where ``ok[0]`` is False or ``fn`` raises (then ``ok[0] = False``, after one warning:
+    ``what`` failed, ``instead`` serves). Running out of memory is raised: that is not a kernel that cannot run."""
+    if not ok[0]:
         return None
     try:
         return fn(*args)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:
-        _DENSE_OK[0] = False
-        warnings.warn(
-            f"tilecompile: flash over whole rows failed ({exc}); the varlen kernel serves instead", stacklevel=3
-        )
+        ok[0] = False
+        warnings.warn(f"tilecompile: {what} failed ({exc}); {instead} serves instead", stacklevel=3)
         return None
+
+
+def _dense(fn, *args):
+    """``fn(*args)`` through the whole-row flash kernel, or None (after a warning, once) where it raises."""
+    return _guarded(_DENSE_OK, "flash over whole rows", "the varlen kernel", fn, *args)
+
+
+# Whether cuDNN's attention has worked here (False after it raised once: flash serves instead).
+_CUDNN_OK = [True]
+
+
+def cudnn_rows_supported(q: torch.Tensor, v: torch.Tensor, hi) -> bool:
+    """Whether whole rows (an all-ones padding mask) may take cuDNN's attention, the kernel SDPA's ``is_causal``
+    picks on the H200 (torch 2.11): 5.0 ms fwd + bwd against flash's 9.5 at 1 x 16k, H=12, Hkv=2, D=128, bf16
+    (benchmarks/probe_sdpa_backends.py, 2026-12-02). CUDA fp16 / bf16, no window (the op takes none), one head dim
+    for q, k and v, at most 128 and a multiple of 8; rows of two tokens or more (its backward takes no
+    s_q = s_kv = 1: "not supported", measured)."""
+    d = q.shape[-1]
+    return (
+        _CUDNN_OK[0]
+        and q.is_cuda
+        and q.shape[2] >= 2
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and hi is None
+        and v.shape[-1] == d
+        and d <= 128
+        and d % 8 == 0
+    )
+
+
+def _heads_of(t: torch.Tensor, h: int) -> torch.Tensor:
+    """[B, Hkv, N, D] -> [B, H, N, D], token-major, each key head repeated for the query heads that read it (query
+    head i reads key head i // (H / Hkv)): cuDNN's kernel takes no GQA. A transient copy, never saved."""
+    rows = t.transpose(1, 2)
+    rows = rows.contiguous() if t.shape[1] == h else rows.repeat_interleave(h // t.shape[1], dim=2)
+    return rows.transpose(1, 2)
+
+
+def _token_major_as(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``like``'s token-major strides (the fake kernels' promise): ``t`` itself when it has them."""
+    want = token_major(like, *t.shape)
+    return t if t.stride() == want.stride() else want.copy_(t)
+
+
+def cudnn_rows_fwd(q, k, v, causal: bool, scale: float):
+    """cuDNN attention over whole rows: (out [B, H, N, D] token-major, lse [B, H, N] fp32, the natural-log
+    log-sum-exp of the scaled scores, as flash's)."""
+    b, h, n, _ = q.shape
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _rows4(q).transpose(1, 2), _heads_of(k, h), _heads_of(v, h), None, True, 0.0, causal, False, scale=scale
+    )
+    out, lse = res[0], res[1]
+    if lse.numel() != b * h * n or lse.dtype != torch.float32:
+        raise RuntimeError(f"cuDNN attention returned lse of shape {tuple(lse.shape)} ({lse.dtype})")
+    return _token_major_as(out, q), lse.reshape(b, h, n)
+
+
+def cudnn_rows_bwd(g, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) token-major; dk, dv summed in fp32 over the query heads that share a key head."""
+    b, h, n, _ = q.shape
+    hkv = k.shape[1]
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed / offset: no dropout
+    rows = [_rows4(x).transpose(1, 2) for x in (g, q, out)]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        rows[0], rows[1], _heads_of(k, h), _heads_of(v, h), rows[2], lse.reshape(b, h, n, 1), unused, unused,
+        None, None, None, n, n, 0.0, causal, scale=scale,
+    )  # fmt: skip
+
+    def per_key_head(d: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if hkv == h:
+            return _token_major_as(d, like)
+        summed = d.unflatten(1, (hkv, h // hkv)).sum(2, dtype=torch.float32)
+        return token_major(like, *like.shape).copy_(summed)
+
+    return _token_major_as(dq, q), per_key_head(dk, k), per_key_head(dv, v)
 
 
 def packed_fwd(q, k, v, pk: dict, lo, hi, scale):
@@ -380,7 +454,11 @@ def packed_fwd(q, k, v, pk: dict, lo, hi, scale):
     if t1 == 0:  # every token padding: no key anywhere (flash takes no empty batch)
         out = token_major(q, b, h, n, v.shape[-1]).zero_()
         return out, torch.full((b, h, n), float("inf"), dtype=torch.float32, device=q.device)
-    if pk["rows"]:  # every row one whole segment (an all-ones padding mask): the whole-row kernel
+    if pk["rows"]:  # every row one whole segment (an all-ones padding mask): a whole-row kernel
+        if cudnn_rows_supported(q, v, hi):
+            res = _guarded(_CUDNN_OK, "cuDNN attention", "flash", cudnn_rows_fwd, q, k, v, lo == 0, scale)
+            if res is not None:
+                return res
         res = _dense(flash_dense_fwd, _rows4(q), _rows4(k), _rows4(v), lo == 0, left, right, scale)
         if res is not None:
             return res[0].transpose(1, 2), res[1].contiguous()
@@ -409,6 +487,12 @@ def packed_bwd(grad_out, q, k, v, out, lse, pk: dict, lo, hi, scale):
     if t1 == 0:
         return tuple(token_major(x, *x.shape).zero_() for x in (q, k, v))
     if pk["rows"]:
+        if cudnn_rows_supported(q, v, hi):  # lse is flash's wherever it came from: either backward reads it
+            res = _guarded(
+                _CUDNN_OK, "cuDNN attention", "flash", cudnn_rows_bwd, grad_out, q, k, v, out, lse, lo == 0, scale
+            )
+            if res is not None:
+                return res
         rows = (_rows4(x) for x in (grad_out, q, k, v, out))
         res = _dense(flash_dense_bwd, *rows, lse.contiguous(), lo == 0, left, right, scale)
         if res is not None:

@@ -3,6 +3,11 @@
 Math (h [N, D], W [V, D], labels y [N], temperature t):
     z = h·Wᵀ / t,  lse = logsumexp(z),  logp = z_y − lse,  H = lse − Σ_j p_j z_j   (p = softmax(z))
     dz_j = [g_lp (1[j=y] − p_j) − g_H p_j (log p_j + H)] / t,   dh = dz·W,   dW = dzᵀ·h
+Options (each a ``HAS_*`` / flag of the kernels, off by default): a bias b [V] and a final-logit softcap c,
+    z = softcap(h·Wᵀ + b) / t,  softcap(u) = c·tanh(u / c),  ∂z/∂u = (1 − tanh²(u / c)) / t,
+and per-row extras of the same pass over the vocabulary: Σ_j z_j (label smoothing's mean log-prob is
+Σ_j z_j / V − lse) and argmax_j z_j (token accuracy; the first index of the largest logit). lse is an output of the
+op too (z-loss): its gradient adds g_lse·p_j to dz_j, and Σ_j z_j's adds g_Σ. The bias's gradient is Σ_rows dz.
 Saved for backward: h, W, labels, stats [N, 2] = (m, log Σ_j e^{z_j − m}) with m the row max (so lse = m + log Σe),
 and H [N], all fp32. log p_j is formed as (z_j − m) − log Σe, never as z_j − lse: for the largest logits z_j − lse
 is a small difference of two numbers near lse and loses their absolute rounding (~ulp(lse)), which is the whole of
@@ -23,7 +28,7 @@ Workspace: one [N, C] chunk plus the fp32 dh accumulator; C comes from ``chunk_s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,6 +66,21 @@ if HAS_TRITON:
         return m_new, s, a
 
     @triton.jit
+    def _logits(z, cols, mask, bias_ptr, softcap, inv_t, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        """(x, tanh) for a tile of GEMM output z: x = softcap(z + b) / t in fp32 (-inf where masked), and the
+        softcap's tanh (for its derivative; 0 without a softcap)."""
+        u = z.to(tl.float32)
+        if HAS_BIAS:
+            u += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            # tanh through exp (the interpreter has no libdevice): exp overflows to inf, and 2 / inf = 0, at the ends
+            th = 1.0 - 2.0 / (tl.exp(2.0 * (u / softcap)) + 1.0)
+            u = softcap * th
+        else:
+            th = u * 0.0
+        return tl.where(mask, u * inv_t, float("-inf")), th
+
+    @triton.jit
     def _fused_linear_ce_fwd_kernel(
         z_ptr,
         labels_ptr,
@@ -71,17 +91,26 @@ if HAS_TRITON:
         logp_ptr,
         ent_ptr,
         stats_ptr,
+        bias_ptr,
+        zsum_ptr,
+        amax_ptr,
         n_rows,
         n_cols,
         v_start,
         stride_zn,
         inv_t,
+        softcap,
         ignore_index,
         HAS_ENTROPY: tl.constexpr,
         IS_LAST: tl.constexpr,
         SINGLE_TILE: tl.constexpr,
         BLOCK_C: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        HAS_BIAS: tl.constexpr = False,
+        HAS_SOFTCAP: tl.constexpr = False,
+        HAS_ZSUM: tl.constexpr = False,
+        HAS_ARGMAX: tl.constexpr = False,
+        ALL_ROWS: tl.constexpr = False,
     ):
         # Persistent over rows, the row loop software-pipelined so the next row's load can be in flight while
         # this row is reduced (on H200 this measured within run-to-run noise of one program per row).
@@ -90,8 +119,9 @@ if HAS_TRITON:
             row = tl.cast(row_i, tl.int64)
             label = tl.load(labels_ptr + row).to(tl.int64)
             active = label != ignore_index
-            # Without entropy an ignored row needs nothing: all its loads are masked off (no traffic, no sync).
-            if HAS_ENTROPY:
+            # Without entropy (or another per-row output) an ignored row needs nothing: all its loads are masked
+            # off (no traffic, no sync).
+            if HAS_ENTROPY or ALL_ROWS:
                 row_on = label == label
             else:
                 row_on = active
@@ -99,19 +129,34 @@ if HAS_TRITON:
             m = tl.load(m_ptr + row)
             s = tl.load(s_ptr + row)
             a = tl.load(a_ptr + row)
+            if HAS_ZSUM:
+                zs = tl.load(zsum_ptr + row)
+            if HAS_ARGMAX:
+                best = tl.load(amax_ptr + row)
             z_row = z_ptr + row * stride_zn
             # The vocabulary tail is masked to -inf so it adds exp(-inf) = 0 to every sum.
-            if SINGLE_TILE:
-                x = tl.load(z_row + offs, mask=offs < n_load, other=float("-inf")).to(tl.float32) * inv_t
+            for c0 in range(0, n_cols, BLOCK_C):
+                cols = c0 + offs
+                mask = cols < n_load
+                z = tl.load(z_row + cols, mask=mask, other=0.0)
+                x, _th = _logits(z, v_start + cols, mask, bias_ptr, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP)
+                if HAS_ARGMAX:
+                    # strictly greater than the running max: the first index of the largest logit, as torch.argmax
+                    # (a NaN logit is not followed as torch's argmax follows it: the CPU path does)
+                    tile_max = tl.max(x, axis=0)
+                    tile_arg = tl.argmax(x, axis=0)
+                    best = tl.where(tile_max > m, (v_start + c0 + tile_arg).to(tl.int64), best)
+                if HAS_ZSUM:
+                    zs += tl.sum(tl.where(mask, x, 0.0), axis=0)
                 m, s, a = _online_update(x, m, s, a)
-            else:
-                for c0 in range(0, n_cols, BLOCK_C):
-                    cols = c0 + offs
-                    x = tl.load(z_row + cols, mask=cols < n_load, other=float("-inf")).to(tl.float32) * inv_t
-                    m, s, a = _online_update(x, m, s, a)
+            if HAS_ZSUM:
+                tl.store(zsum_ptr + row, zs)
+            if HAS_ARGMAX:
+                tl.store(amax_ptr + row, best)
             y_local = label - v_start
             hit = active & (y_local >= 0) & (y_local < n_cols)
-            zy_new = tl.load(z_row + y_local, mask=hit, other=0.0).to(tl.float32) * inv_t
+            zy_raw = tl.load(z_row + y_local, mask=hit, other=0.0)
+            zy_new, _thy = _logits(zy_raw, label, hit, bias_ptr, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP)
             zy = tl.where(hit, zy_new, tl.load(zy_ptr + row))
             if IS_LAST:
                 log_s = tl.log(s)
@@ -135,15 +180,23 @@ if HAS_TRITON:
         ent_ptr,
         glp_ptr,
         gent_ptr,
+        bias_ptr,
+        glse_ptr,
+        gzs_ptr,
         n_cols,
         cols_per_prog,
         v_start,
         stride_zn,
         inv_t,
+        softcap,
         ignore_index,
         HAS_GLP: tl.constexpr,
         HAS_GENT: tl.constexpr,
         BLOCK_C: tl.constexpr,
+        HAS_BIAS: tl.constexpr = False,
+        HAS_SOFTCAP: tl.constexpr = False,
+        HAS_GLSE: tl.constexpr = False,
+        HAS_GZS: tl.constexpr = False,
     ):
         # One program per (row, column range of cols_per_prog): a block of few long rows is split across more
         # programs than rows, so the grid fills the GPU evenly.
@@ -162,14 +215,17 @@ if HAS_TRITON:
         if HAS_GENT:
             gent = tl.load(gent_ptr + row)
             ent = tl.load(ent_ptr + row)
-            row_on = label == label
         else:
             gent = 0.0
             ent = 0.0
-            if HAS_GLP:
-                row_on = active
-            else:
-                row_on = label != label
+        glse = tl.load(glse_ptr + row) if HAS_GLSE else 0.0
+        gzs = tl.load(gzs_ptr + row) if HAS_GZS else 0.0
+        if HAS_GENT or HAS_GLSE or HAS_GZS:
+            row_on = label == label
+        elif HAS_GLP:
+            row_on = active
+        else:
+            row_on = label != label
         y_local = label - v_start
         z_row = z_ptr + row * stride_zn
         offs = tl.arange(0, BLOCK_C)
@@ -177,14 +233,23 @@ if HAS_TRITON:
         for c0 in range(c_lo, c_hi, BLOCK_C):
             cols = c0 + offs
             cmask = cols < c_hi
-            x = tl.load(z_row + cols, mask=cmask & (cols < n_load), other=0.0).to(tl.float32) * inv_t
+            lmask = cmask & (cols < n_load)
+            z = tl.load(z_row + cols, mask=lmask, other=0.0)
+            x, th = _logits(z, v_start + cols, lmask, bias_ptr, softcap, inv_t, HAS_BIAS, HAS_SOFTCAP)
             log_p = (x - m) - log_s
             p = tl.exp(log_p)
             dz = tl.where(cols == y_local, glp, 0.0) - glp * p
             if HAS_GENT:
                 # p = 0 where x = -inf: keep 0 * -inf out of the sum.
                 dz -= gent * tl.where(p > 0.0, p * (log_p + ent), 0.0)
-            dz = tl.where(row_on, dz * inv_t, 0.0)
+            if HAS_GLSE:
+                dz += glse * p
+            if HAS_GZS:
+                dz += gzs
+            dz = dz * inv_t
+            if HAS_SOFTCAP:
+                dz = dz * (1.0 - th * th)
+            dz = tl.where(row_on & lmask, dz, 0.0)
             # The chunk buffer is rewritten in place: z_c becomes dz_c, in the GEMM dtype.
             tl.store(z_row + cols, dz.to(z_ptr.dtype.element_ty), mask=cmask)
 
@@ -226,8 +291,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _triton_fwd_epilogue(
-    z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last, launch=None
-):
+    z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last, launch=None, *,
+    bias=None, softcap=0.0, zsum=None, argmax=None, all_rows=False,
+):  # fmt: skip
     m, s, a, zy = state
     n = z.shape[0]
     if n == 0:
@@ -237,13 +303,19 @@ def _triton_fwd_epilogue(
     grid = min(n, _num_sms(z.device) * cfg["grid_per_sm"])
     _fused_linear_ce_fwd_kernel[(grid,)](
         z, labels, m, s, a, zy, logp, ent if ent is not None else logp, stats,
-        n, z.shape[1], v_start, z.stride(0), inv_t, ignore_index,
+        bias if bias is not None else logp, zsum if zsum is not None else logp,
+        argmax if argmax is not None else labels,
+        n, z.shape[1], v_start, z.stride(0), inv_t, float(softcap or 1.0), ignore_index,
         HAS_ENTROPY=with_entropy, IS_LAST=is_last, SINGLE_TILE=z.shape[1] <= block, BLOCK_C=block,
-        NUM_STAGES=cfg["stages"], num_warps=cfg["warps"],
+        NUM_STAGES=cfg["stages"], HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), HAS_ZSUM=zsum is not None,
+        HAS_ARGMAX=argmax is not None, ALL_ROWS=all_rows, num_warps=cfg["warps"],
     )  # fmt: skip
 
 
-def _triton_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index, launch=None):
+def _triton_bwd_epilogue(
+    z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index, launch=None, *, bias=None, softcap=0.0,
+    glse=None, gzs=None,
+):  # fmt: skip
     n = z.shape[0]
     if n == 0:
         return
@@ -253,20 +325,44 @@ def _triton_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignor
     grid = (n, triton.cdiv(max(z.shape[1], 1), per_prog))  # at least one program per row
     _fused_linear_ce_bwd_kernel[grid](
         z, labels, stats, ent if ent is not None else stats, glp if glp is not None else stats,
-        gent if gent is not None else stats, z.shape[1], per_prog, v_start, z.stride(0), inv_t, ignore_index,
-        HAS_GLP=glp is not None, HAS_GENT=gent is not None, BLOCK_C=block, num_warps=8 if block >= 2048 else 4,
+        gent if gent is not None else stats, bias if bias is not None else stats,
+        glse if glse is not None else stats, gzs if gzs is not None else stats,
+        z.shape[1], per_prog, v_start, z.stride(0), inv_t, float(softcap or 1.0), ignore_index,
+        HAS_GLP=glp is not None, HAS_GENT=gent is not None, BLOCK_C=block, HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=bool(softcap), HAS_GLSE=glse is not None, HAS_GZS=gzs is not None,
+        num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
 
 
+def _torch_logits(z, v_start, inv_t, bias, softcap):
+    """(x, tanh): the chunk's logits softcap(z + b) / t in fp32, and the softcap's tanh (None without one)."""
+    u = z.float()
+    if bias is not None:
+        u = u + bias[v_start : v_start + z.shape[1]].float()
+    th = None
+    if softcap:
+        th = torch.tanh(u / softcap)
+        u = softcap * th
+    return u * inv_t, th
+
+
 def _torch_fwd_epilogue(
-    z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last, launch=None
-):
+    z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last, launch=None, *,
+    bias=None, softcap=0.0, zsum=None, argmax=None, all_rows=False,
+):  # fmt: skip
     """The forward epilogue in PyTorch: same online update as ``_fused_linear_ce_fwd_kernel``."""
     m, s, a, zy = state
     active = labels != ignore_index
-    row_on = torch.ones_like(active) if with_entropy else active
-    x = z.float() * inv_t
+    row_on = torch.ones_like(active) if (with_entropy or all_rows) else active
+    x, _ = _torch_logits(z, v_start, inv_t, bias, softcap)
     x = torch.where(row_on[:, None], x, float("-inf"))
+    if argmax is not None and z.shape[1]:
+        # the first index of the largest, as torch.argmax, which takes a NaN for the largest (max propagates it)
+        tile_max, tile_arg = x.max(dim=1)
+        first_nan = tile_max.isnan() & ~m.isnan()
+        argmax.copy_(torch.where((tile_max > m) | first_nan, tile_arg + v_start, argmax))
+    if zsum is not None:
+        zsum.add_(torch.where(row_on[:, None], x, 0.0).sum(dim=1))
     m_new = torch.maximum(m, x.amax(dim=1))
     m_ref = torch.where(m_new == float("-inf"), 0.0, m_new)
     alpha = torch.exp(m - m_ref)
@@ -289,10 +385,13 @@ def _torch_fwd_epilogue(
             ent.copy_(log_s - a / s)
 
 
-def _torch_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index, launch=None):
+def _torch_bwd_epilogue(
+    z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index, launch=None, *, bias=None, softcap=0.0,
+    glse=None, gzs=None,
+):  # fmt: skip
     """The backward epilogue in PyTorch: z (the chunk of logits) becomes dz in place."""
     active = labels != ignore_index
-    x = z.float() * inv_t
+    x, th = _torch_logits(z, v_start, inv_t, bias, softcap)
     log_p = (x - stats[:, :1]) - stats[:, 1:]
     p = torch.exp(log_p)
     dz = torch.zeros_like(x)
@@ -302,7 +401,14 @@ def _torch_bwd_epilogue(z, labels, stats, ent, glp, gent, v_start, inv_t, ignore
         dz = torch.where(cols[None, :] == labels.long()[:, None], g, 0.0) - g * p
     if gent is not None:
         dz = dz - gent[:, None] * torch.where(p > 0, p * (log_p + ent[:, None]), 0.0)
-    z.copy_(dz * inv_t)
+    if glse is not None:
+        dz = dz + glse[:, None] * p
+    if gzs is not None:
+        dz = dz + gzs[:, None]
+    dz = dz * inv_t
+    if th is not None:
+        dz = dz * (1.0 - th * th)
+    z.copy_(dz)
 
 
 def chunk_size(
@@ -331,6 +437,13 @@ def _gemm_dtype(h: torch.Tensor, gemm_dtype: torch.dtype | None) -> torch.dtype:
     return h.dtype if h.is_cuda else torch.float32
 
 
+class Extras(NamedTuple):
+    """Per-row outputs of the forward besides logp, entropy and stats: Σ_j z_j (fp32) and argmax_j z_j (int64)."""
+
+    zsum: torch.Tensor | None
+    argmax: torch.Tensor | None
+
+
 def fused_linear_logprob_fwd(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -342,13 +455,43 @@ def fused_linear_logprob_fwd(
     chunk: int = 0,
     use_triton: bool | None = None,
     gemm_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Forward over vocabulary chunks. h [N, D], weight [V, D], labels [N] -> (logp, entropy or None, stats), fp32;
     stats [N, 2] = (row max m, log Σe) of z, so lse = m + log Σe (both 0 at rows that never needed them).
+    ``bias`` [V] and ``softcap`` (> 0; 0 is none) as in the module docstring.
 
     No checks here (the op layer validates); labels outside [0, V) that are not ignore_index give a wrong logp
     but never an out-of-bounds access.
     """
+    logp, ent, stats, _ = fused_linear_logprob_fwd_ext(
+        h, weight, labels, inv_t, ignore_index, with_entropy, chunk=chunk, use_triton=use_triton,
+        gemm_dtype=gemm_dtype, bias=bias, softcap=softcap,
+    )  # fmt: skip
+    return logp, ent, stats
+
+
+def fused_linear_logprob_fwd_ext(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    inv_t: float,
+    ignore_index: int,
+    with_entropy: bool,
+    *,
+    chunk: int = 0,
+    use_triton: bool | None = None,
+    gemm_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    all_rows: bool = False,
+    with_zsum: bool = False,
+    with_argmax: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Extras]:
+    """``fused_linear_logprob_fwd`` and the ``Extras`` asked for. ``all_rows``: stats of every row, ignored or not
+    (what lse as an output needs); Σz and argmax imply it."""
+    all_rows = all_rows or with_zsum or with_argmax
     n, v = h.shape[0], weight.shape[0]
     dev = h.device
     gdt = _gemm_dtype(h, gemm_dtype)
@@ -366,6 +509,8 @@ def fused_linear_logprob_fwd(
         torch.zeros(n, device=dev, dtype=torch.float32),
     )
     scalar_t = float(inv_t)
+    zsum = torch.zeros(n, device=dev, dtype=torch.float32) if with_zsum else None
+    amax = torch.zeros(n, device=dev, dtype=torch.int64) if with_argmax else None
     # One chunk buffer for the whole loop: each chunk's logits land in it and (backward) become dz in place.
     buf = torch.empty(n * c, dtype=gdt, device=dev)
     z = None
@@ -375,7 +520,8 @@ def fused_linear_logprob_fwd(
             w_c = w_c.to(gdt)
         z = buf[: n * w_c.shape[0]].view(n, w_c.shape[0])
         torch.mm(hg, w_c.t(), out=z)
-        epilogue(z, labels, state, logp, ent, stats, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v)
+        epilogue(z, labels, state, logp, ent, stats, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v,
+                 bias=bias, softcap=softcap, zsum=zsum, argmax=amax, all_rows=all_rows)  # fmt: skip
     del buf, z  # z is a view of buf: both must go before the caller allocates more
     if v == 0:  # an empty vocabulary: logsumexp of nothing is -inf
         stats[:, 0].fill_(float("-inf"))
@@ -383,7 +529,7 @@ def fused_linear_logprob_fwd(
         logp.fill_(float("nan"))
         if ent is not None:
             ent.fill_(float("nan"))
-    return logp, ent, stats
+    return logp, ent, stats, Extras(zsum, amax)
 
 
 _FP32_ADDMM: bool | None = None
@@ -443,6 +589,38 @@ def fused_linear_logprob_bwd(
 
     grad_logp / grad_ent are [N] fp32 contiguous or None (None = zero). grad_ent needs ent.
     """
+    dh, dw, _ = fused_linear_logprob_bwd_ext(
+        h, weight, labels, stats, ent, grad_logp, grad_ent, inv_t, ignore_index, need_dh, need_dw, chunk=chunk,
+        use_triton=use_triton, gemm_dtype=gemm_dtype,
+    )  # fmt: skip
+    return dh, dw
+
+
+def fused_linear_logprob_bwd_ext(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    stats: torch.Tensor,
+    ent: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_ent: torch.Tensor | None,
+    inv_t: float,
+    ignore_index: int,
+    need_dh: bool = True,
+    need_dw: bool = True,
+    *,
+    chunk: int = 0,
+    use_triton: bool | None = None,
+    gemm_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    grad_lse: torch.Tensor | None = None,
+    grad_zsum: torch.Tensor | None = None,
+    need_db: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``fused_linear_logprob_bwd`` with a bias, a softcap and the grads of lse and Σz ([N] fp32 or None; stats
+    must then cover every row): (dh, dW, db [V] in the bias's dtype or None). db is Σ_rows dz, summed in fp32 from
+    the dz the weight's GEMM reads."""
     n, d = h.shape
     v = weight.shape[0]
     dev = h.device
@@ -451,10 +629,12 @@ def fused_linear_logprob_bwd(
     epilogue = _triton_bwd_epilogue if triton_path else _torch_bwd_epilogue
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else None
     dh_acc = torch.zeros(n, d, device=dev, dtype=torch.float32) if need_dh else None
-    if grad_logp is None and grad_ent is None:
+    db = torch.zeros(v, device=dev, dtype=torch.float32) if (need_db and bias is not None) else None
+    if grad_logp is None and grad_ent is None and grad_lse is None and grad_zsum is None:
         if dw is not None:
             dw.zero_()
-        return (dh_acc.to(h.dtype) if dh_acc is not None else None), dw
+        db_out = db.to(bias.dtype) if db is not None else None
+        return (dh_acc.to(h.dtype) if dh_acc is not None else None), dw, db_out
     hg = h if h.dtype == gdt else h.to(gdt)
     c = chunk_size(n, v, torch.finfo(gdt).bits // 8, chunk, BWD_CHUNK_BUDGET_BYTES)
     scalar_t = float(inv_t)
@@ -467,7 +647,10 @@ def fused_linear_logprob_bwd(
             w_c = w_c.to(gdt)
         z = buf[: n * w_c.shape[0]].view(n, w_c.shape[0])
         torch.mm(hg, w_c.t(), out=z)
-        epilogue(z, labels, stats, ent, grad_logp, grad_ent, v0, scalar_t, ignore_index)
+        epilogue(z, labels, stats, ent, grad_logp, grad_ent, v0, scalar_t, ignore_index, bias=bias,
+                 softcap=softcap, glse=grad_lse, gzs=grad_zsum)  # fmt: skip
+        if db is not None:
+            db[v0 : v0 + c] = z.sum(dim=0, dtype=torch.float32)
         if dw is not None:
             if dw.dtype == gdt:
                 torch.mm(z.t(), hg, out=dw[v0 : v0 + c])
@@ -477,7 +660,7 @@ def fused_linear_logprob_bwd(
             _addmm_fp32_(dh_acc, z, w_c)
     del buf, z  # z is a view of buf: both must go before the caller allocates more
     dh = dh_acc.to(h.dtype) if dh_acc is not None else None
-    return dh, dw
+    return dh, dw, (db.to(bias.dtype) if db is not None else None)
 
 
 # Bytes one [R, V] row block of logits may take in the loss-aware forward (whole vocabulary per block). Swept on H200
@@ -513,6 +696,7 @@ def fused_linear_logprob_loss_fwd(
     block_rows: int = 0,
     use_triton: bool | None = None,
     gemm_dtype: torch.dtype | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss-aware forward: log-probs, entropy and the gradients of a scalar loss, in 3 GEMMs instead of 4.
 
@@ -565,9 +749,10 @@ def fused_linear_logprob_loss_fwd(
         )
         ent_r = ent[rows] if ent is not None else None
         fwd_epilogue(z, labels[rows], state, logp[rows], ent_r, stats[rows], 0, scalar_t, ignore_index,
-                     with_entropy, True, _ROW_LAUNCH)  # fmt: skip
+                     with_entropy, True, _ROW_LAUNCH, softcap=softcap)  # fmt: skip
         glp, gent = grad_of(logp, ent, r0, r1)
-        bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index, _ROW_BWD_LAUNCH)
+        bwd_epilogue(z, labels[rows], stats[rows], ent_r, glp, gent, 0, scalar_t, ignore_index, _ROW_BWD_LAUNCH,
+                     softcap=softcap)  # fmt: skip
         torch.mm(z, wg, out=dh[rows])
         if dw is None:
             dw = torch.mm(z.t(), h_r)
@@ -611,8 +796,11 @@ __all__ = [
     "HAS_TRITON",
     "LOSS_BLOCK_BUDGET_BYTES",
     "chunk_size",
+    "Extras",
     "fused_linear_logprob_bwd",
+    "fused_linear_logprob_bwd_ext",
     "fused_linear_logprob_fwd",
+    "fused_linear_logprob_fwd_ext",
     "fused_linear_logprob_loss_fwd",
     "row_block",
     "probe",

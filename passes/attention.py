@@ -313,6 +313,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 tokens[key] = _token_input(gm, node, first_user)
         if spec.valid_test is not None:  # pad != 0, pad == 1, ...: the boolean the mask reads, made once
             tokens["valid"] = _tested(gm, tokens["valid"], spec.valid_test, first_user)
+        if spec.chunk is not None:  # chunked local attention: the chunk ids, made once, are the documents
+            tokens["doc"] = _chunk_ids(gm, spec.chunk, first_user)
         if tokens and not (spec.is_causal or spec.is_full):
             tokens |= _plan(gm, spec, tokens, first_user)
         rewritten: list[R.Rewrite] = []
@@ -336,6 +338,25 @@ def _cast(graph: fx.Graph, t: fx.Node, dtype: torch.dtype) -> fx.Node:
 
 
 _TESTS = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}
+
+
+def _chunk_ids(gm: fx.GraphModule, chunk: AM.Chunk, before: fx.Node) -> fx.Node:
+    """[B or 1, N] chunk ids (t + Σ coef · row[b] + const) // k, t = 0 .. N-1, from the mask's own arange."""
+    graph = gm.graph
+
+    def emit(fn, args):
+        new = graph.call_function(fn, args)
+        new.meta["example_value"] = fn(*(G.example_value(a) if isinstance(a, fx.Node) else a for a in args))
+        return new
+
+    with graph.inserting_before(before):
+        ids = emit(torch.unsqueeze, (chunk.index, 0))
+        for row, coef in chunk.rows:
+            term = emit(torch.unsqueeze, (row, -1))
+            ids = emit(operator.add, (ids, term if coef == 1 else emit(operator.mul, (term, coef))))
+        if chunk.const - chunk.start:
+            ids = emit(operator.add, (ids, chunk.const - chunk.start))
+        return emit(operator.floordiv, (ids, chunk.k))
 
 
 def _tested(gm: fx.GraphModule, node: fx.Node, test: tuple[str, int], before: fx.Node) -> fx.Node:

@@ -46,7 +46,13 @@ class Tok:
     batch_axis: int | None  # None: the tensor has no batch dimension (or it is read at batch 0 of a size-1 one)
 
 
-Base = Idx | Tok
+@dataclasses.dataclass(frozen=True)
+class Row:
+    node: fx.Node  # a per-row [B] integer tensor (HF's left-padding counts), read at the batch index along ``axis``
+    axis: int
+
+
+Base = Idx | Tok | Row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +79,17 @@ class Num:
 
 
 @dataclasses.dataclass(frozen=True)
+class FloorDiv:
+    """``num // k`` for a literal k > 0: only ever compared for equality between query and key (HF's
+    ``chunked_overlay``: ``(kv - left_pad[b]) // C == (q - left_pad[b]) // C``)."""
+
+    num: Num
+    k: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Bool:
-    kind: str  # "const", "cmp", "truth", "and", "or", "not"
+    kind: str  # "const", "cmp", "truth", "chunk" (FloorDiv equality: num_a, num_b, k), "and", "or", "not"
     args: tuple = ()
 
     @staticmethod
@@ -87,6 +102,23 @@ TRUE, FALSE = Bool.const(True), Bool.const(False)
 
 class NotIndexArithmetic(Exception):
     """The mask (or a node it is built from) is not something this module can read; the message says which."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Chunks as documents: doc(b, t) = (t + Σ coef · row[b] + const) // k, t the index, built by the pass from
+    ``index`` (an arange of the mask's graph, starting at ``start``) and the per-row [B] tensors of ``rows``."""
+
+    index: fx.Node
+    start: int
+    rows: tuple[tuple[fx.Node, int], ...]
+    const: int
+    k: int
+
+    def describe(self) -> str:
+        terms = "".join(f" {'+' if c > 0 else '-'} {abs(c) if abs(c) != 1 else ''}{n.name}[b]" for n, c in self.rows)
+        const = f" {'+' if self.const > 0 else '-'} {abs(self.const)}" if self.const else ""
+        return f"same chunk (index{terms}{const}) // {self.k}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +136,19 @@ class MaskSpec:
     valid_test: tuple[str, int] | None = (
         None  # valid_kv is ``valid (op) k`` (``pad != 0``, ``pad == 1``), not its truth
     )
+    chunk: Chunk | None = None  # the document equality, as chunks of the index the pass builds ``doc`` from
 
     @property
     def is_causal(self) -> bool:
-        return self.lo == 0 and self.hi is None and self.pos is None and self.doc is None and self.valid is None
+        return self.lo == 0 and self.hi is None and self.pos is None and self.is_full_beyond_order
 
     @property
     def is_full(self) -> bool:
-        return self.lo is None and self.hi is None and self.doc is None and self.valid is None
+        return self.lo is None and self.hi is None and self.is_full_beyond_order
+
+    @property
+    def is_full_beyond_order(self) -> bool:
+        return self.doc is None and self.valid is None and self.chunk is None
 
     def describe(self) -> str:
         c = f"{self.pos.name}" if self.pos is not None else "index"
@@ -122,6 +159,8 @@ class MaskSpec:
             )
         if self.doc is not None:
             parts.append(f"same {self.doc.name}")
+        if self.chunk is not None:
+            parts.append(self.chunk.describe())
         if self.valid is not None:
             test = f" {self.valid_test[0]} {self.valid_test[1]}" if self.valid_test else ""
             parts.append(f"key valid in {self.valid.name}{test}")
@@ -137,6 +176,8 @@ def _map_value(value: Any, fn) -> Any:
     def base(b):
         if isinstance(b, Idx):
             return Idx(fn(b.axis)), 0
+        if isinstance(b, Row):
+            return Row(b.node, fn(b.axis)), 0
         return Tok(b.node, fn(b.axis), None if b.batch_axis is None else fn(b.batch_axis)), 0
 
     return _rebase(value, base)
@@ -217,6 +258,26 @@ def _fold_cmp(op: str, a: Num, b: Num) -> Bool:
     return Bool("cmp", (op, a, b))
 
 
+def _is_floordiv(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in (operator.floordiv, torch.floor_divide):
+        return True
+    if node.op == "call_method" and node.target in ("floor_divide", "__floordiv__"):
+        return True
+    return G.op(node) == "div" and G.arg(node, 2, "rounding_mode") == "floor"
+
+
+def _chunk_cmp(node: fx.Node | None, op: str, a: Any, b: Any) -> Bool:
+    """``a == b`` of two floor divisions by one k: a "chunk" atom (read by ``_read_atom``), or a reason."""
+    where = f"{node.name}: " if node is not None else ""
+    if not (isinstance(a, FloorDiv) and isinstance(b, FloorDiv)) or a.k != b.k or op != "eq":
+        raise NotIndexArithmetic(f"{where}a floor division compared by {op} with other than one of the same divisor")
+    if a.num.is_const and b.num.is_const:
+        return Bool.const(a.num.const // a.k == b.num.const // a.k)
+    if a.num == b.num:
+        return TRUE
+    return Bool("chunk", (a.num, b.num, a.k))
+
+
 def _and(a: Bool, b: Bool) -> Bool:
     if a == FALSE or b == FALSE:
         return FALSE
@@ -253,6 +314,7 @@ class Interpreter:
         self.memo: dict[fx.Node, Any] = {}
         self.levels: dict[fx.Node, frozenset] = {}
         self.has_vmap: bool | None = None
+        self.aranges: list[tuple[fx.Node, int]] = []  # (node, start) of each arange read: where chunks are built from
 
     # A per-token tensor: [N], [1, N] or [B, N], not built from anything of the mask's [.., N, N] frame.
     def is_token_level(self, node: fx.Node) -> bool:
@@ -297,6 +359,8 @@ class Interpreter:
             return self.memo[node]
         try:
             v = self._eval(node)
+            if isinstance(v, FloorDiv) and node.op != "placeholder" and self.is_token_level(node):
+                v = self.opaque(node)  # a per-token tensor of chunk ids (arange(N) // C) is read as it stands
         except NotIndexArithmetic:
             if node.op != "placeholder" and self.is_token_level(node):
                 v = self.opaque(node)
@@ -324,8 +388,14 @@ class Interpreter:
             return self._gather(node, src, tuple(indices))
         cmp = _cmp_name(node)
         if cmp is not None:
-            a, b = (self._num(x) for x in (G.arg(node, 0, "input"), G.arg(node, 1, "other")))
+            xa, xb = G.arg(node, 0, "input"), G.arg(node, 1, "other")
+            va, vb = self.value(xa), self.value(xb)
+            if isinstance(va, FloorDiv) or isinstance(vb, FloorDiv):
+                return _chunk_cmp(node, cmp, va, vb)
+            a, b = self._num(xa), self._num(xb)
             return _fold_cmp(cmp, a, b)
+        if _is_floordiv(node):
+            return self._floordiv(node)
         logic = _logic_name(node)
         if logic == "not":
             return _not(self._bool(G.arg(node, 0, "input")))
@@ -375,6 +445,21 @@ class Interpreter:
 
     # -- helpers
 
+    def _floordiv(self, node: fx.Node) -> Any:
+        a, k = self._num(G.arg(node, 0, "input")), G.arg(node, 1, "other")
+        if isinstance(k, fx.Node) and isinstance(G.example_value(k), torch.SymInt):
+            # a chunk size passed into the compiled function, under dynamic shapes: pinned to this call's value
+            # under a guard (another value recompiles)
+            from torch.fx.experimental.symbolic_shapes import guard_int
+
+            try:
+                k = guard_int(G.example_value(k))
+            except Exception:  # noqa: BLE001 - unbacked (data-dependent): no value to read, a reason below
+                pass
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise NotIndexArithmetic(f"{node.name}: floor division by {k!r}, not a literal positive integer")
+        return Num.of({}, a.const // k) if a.is_const else FloorDiv(a, k)
+
     def _num(self, x: Any) -> Num:
         v = self.value(x)
         if isinstance(v, Bool) and v.kind == "const":
@@ -405,6 +490,7 @@ class Interpreter:
         start = node.kwargs.get("start", start)
         if not isinstance(start, int) or step != 1 or isinstance(start, bool):
             raise NotIndexArithmetic(f"{node.name}: arange with a non-literal start or a step other than 1")
+        self.aranges.append((node, start))
         return Num.of({Idx(-1): 1}, start)
 
     def _cast(self, node: fx.Node) -> Any:
@@ -478,7 +564,19 @@ class Interpreter:
         return _substitute(v, subst, node)
 
     def _gather(self, node: fx.Node, src: fx.Node, index: tuple) -> Any:
-        """``t[b_idx, t_idx]`` of a per-token tensor t with index forms: t read in the mask's frame."""
+        """``t[b_idx, t_idx]`` of a per-token tensor t with index forms: t read in the mask's frame; ``r[b_idx]`` of a
+        per-row [B] integer tensor r (HF's left-padding counts): a ``Row`` base."""
+        if (
+            not self.is_token_level(src)
+            and len(index) == 1
+            and len(G.shape(src) or ()) == 1
+            and G.dtype(src) in _INT_DTYPES
+            and not self.vmap_levels(src)
+        ):
+            i = self._num(index[0])
+            if len(i.terms) != 1 or not isinstance(i.terms[0][0], Idx) or i.terms[0][1] != 1 or i.const:
+                raise NotIndexArithmetic(f"{node.name}: per-row {src.name} read at other than an index")
+            return Num.of({Row(src, i.terms[0][0].axis): 1}, 0)
         if not self.is_token_level(src):
             raise NotIndexArithmetic(f"{node.name}: tensor-indexed {src.name} is not a per-token tensor")
         in_rank = len(G.shape(src))
@@ -506,6 +604,8 @@ class Interpreter:
                 if b.axis == -1:
                     return Idx(t_axis), t_off
                 raise NotIndexArithmetic(f"{node.name}: index along the batch axis of {src.name}")
+            if isinstance(b, Row):
+                raise NotIndexArithmetic(f"{node.name}: {src.name} is built from per-row {b.node.name}")
             if t_off:
                 raise NotIndexArithmetic(f"{node.name}: {src.name} read at an offset token index")
             return Tok(b.node, t_axis, b_axis if b.batch_axis is not None else None), 0
@@ -583,10 +683,15 @@ def _rebase(value: Any, move) -> Any:
                 terms[nb] = terms.get(nb, 0) + c
             const += c * off
         return Num.of(terms, const)
+    if isinstance(value, FloorDiv):
+        return FloorDiv(_rebase(value.num, move), value.k)
     if isinstance(value, Bool):
         if value.kind == "cmp":
             op, a, b = value.args
             return _fold_cmp(op, _rebase(a, move), _rebase(b, move))
+        if value.kind == "chunk":
+            a, b, k = value.args
+            return _chunk_cmp(None, "eq", FloorDiv(_rebase(a, move), k), FloorDiv(_rebase(b, move), k))
         if value.kind == "truth":
             nb, off = move(value.args[0])
             if off or nb is None:
@@ -606,6 +711,8 @@ def _substitute(value: Any, subst: dict[int, int], node: fx.Node) -> Any:
             return None, subst[b.axis]
         if isinstance(b, Tok) and (b.axis in subst or b.batch_axis in subst):
             raise NotIndexArithmetic(f"{node.name}: a slice of per-token tensor {b.node.name}")
+        if isinstance(b, Row) and b.axis in subst:
+            raise NotIndexArithmetic(f"{node.name}: a slice of per-row tensor {b.node.name}")
         return b, 0
 
     return _rebase(value, move)
@@ -650,7 +757,16 @@ def analyze(mask: fx.Node, seq: Any) -> MaskSpec:
     lo, hi = spec.get("lo"), spec.get("hi")
     if lo is not None and hi is not None and lo > hi:
         raise NotIndexArithmetic("the mask allows no key at all")
-    return MaskSpec(lo, hi, spec.get("pos"), spec.get("doc"), spec.get("valid"), spec.get("valid_test"))
+    chunk = None
+    if "chunk" in spec:
+        if spec.get("doc") is not None:
+            raise NotIndexArithmetic("documents and chunks together (one document equality is rewritten, not two)")
+        rows, const, k = spec["chunk"]
+        index = [(n, s) for n, s in interp.aranges if G.same_size((G.shape(n) or (None,))[-1], seq)]
+        if not index:
+            raise NotIndexArithmetic("chunks of an index with no arange of the sequence's length to build them from")
+        chunk = Chunk(index[0][0], index[0][1], rows, const, k)
+    return MaskSpec(lo, hi, spec.get("pos"), spec.get("doc"), spec.get("valid"), spec.get("valid_test"), chunk)
 
 
 def _additive(interp: Interpreter, mask: fx.Node) -> Bool:
@@ -692,6 +808,9 @@ def _read_atom(atom: Bool, spec: dict, q_axis: int, kv_axis: int, b_axis: int | 
             _put(spec, "valid", b.node)
             return
         raise NotIndexArithmetic(f"a boolean per-token tensor read along axis {b.axis}, not the key axis")
+    if atom.kind == "chunk":
+        _read_chunk(atom, spec, q_axis, kv_axis, b_axis)
+        return
     if atom.kind != "cmp":
         raise NotIndexArithmetic(f"a {atom.kind} of conditions (only conjunctions are rewritten)")
     op, a, b = atom.args
@@ -738,6 +857,27 @@ def _read_atom(atom: Bool, spec: dict, q_axis: int, kv_axis: int, b_axis: int | 
         spec[key] = val if old is None else (max(old, val) if key == "lo" else min(old, val))
 
 
+def _read_chunk(atom: Bool, spec: dict, q_axis: int, kv_axis: int, b_axis: int | None) -> None:
+    """(q + R) // k == (kv + R) // k, R a sum of per-row terms and a constant: the same chunk of the index."""
+    a, b, k = atom.args
+    coords = _coordinate(dict(a.add(b, -1).terms), q_axis, kv_axis, b_axis)
+    if coords is None or coords[0] != "index" or a.const != b.const:
+        raise NotIndexArithmetic(f"a floor division by {k} compared between other than the query's and key's index")
+    rows = []
+    for base, coef in a.terms:
+        if isinstance(base, Idx):
+            if coef != 1 or base.axis not in (q_axis, kv_axis):
+                raise NotIndexArithmetic(f"chunks of {coef} times the index along axis {base.axis}")
+        elif isinstance(base, Row) and b_axis is not None and base.axis == b_axis:
+            rows.append((base.node, coef))
+        else:
+            raise NotIndexArithmetic(f"chunks offset by {_describe_terms({base: coef})}, not a per-row tensor")
+    chunk = (tuple(sorted(rows, key=lambda r: r[0].name)), a.const, k)
+    if spec.get("chunk", chunk) != chunk:
+        raise NotIndexArithmetic("two different chunkings")
+    spec["chunk"] = chunk
+
+
 def _coordinate(terms: dict, q_axis: int, kv_axis: int, b_axis: int | None):
     """("index", None, s) for s*(q - kv); ("pos", P, s) for s*(P_q - P_kv) of one per-token tensor P."""
     if len(terms) != 2:
@@ -777,6 +917,6 @@ def _put(spec: dict, key: str, node: fx.Node | None) -> None:
 
 def _describe_terms(terms: dict) -> str:
     def name(b):
-        return f"index[{b.axis}]" if isinstance(b, Idx) else f"{b.node.name}[{b.axis}]"
+        return f"index[{b.axis}]" if isinstance(b, Idx) else f"{b.node.name}[{b.axis}]"  # Tok, Row: a tensor
 
     return " + ".join(f"{c}*{name(b)}" for b, c in terms.items()) or "constants"

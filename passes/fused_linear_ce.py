@@ -15,12 +15,22 @@ leading dim) joined back by ``torch.cat`` / ``torch.stack``, or written into a f
 ``buf[a:b].copy_(...)``) whose every row is written once before it is read, is that math on all the rows: TRL's
 row-by-row selective_log_softmax and chunked entropy_from_logits, OpenRLHF's chunked logsumexp. Parts that do not
 partition the rows (a row twice, a row left out, out of order, read before written) are skipped with the reason.
-Check: a per-row value that leaves the region must be ``α·logp + β·H (+ const)`` (its lse coefficients cancel);
+Check: a per-row value that leaves the region must be ``α·logp + β·H + γ·lse (+ const)`` (lse, for a z-loss, is an
+output of the op);
 logits or vocab-sized values must not leave it (returned, argmax, sampling, ...). Each check returns a reason.
 Rewrite (``passes/fused_linear_ce_rewrite.py``): views/slices on the logits are replayed on h (``logits[:, :-1]``
 becomes ``h[:, :-1]``), one op call per (logits view, labels, ignore_index), and each escaping value is rebuilt from
 logp / entropy and cast back to the dtype it had. Mean CE is ``−Σ logp / count(labels != ignore_index)`` (0/0 = nan, as
 ``F.cross_entropy``).
+
+Options (``tilecompile::fused_linear_logprob_ext``): a bias of the product (``F.linear(h, W, b)``, ``h @ W.t() + b``,
+``z += b``), a final-logit softcap (``tanh`` of the scaled logits: Gemma's ``c * tanh(z / c)``, then a temperature),
+lse on its own (a z-loss ``lse**2``, lse returned), label smoothing (``label_smoothing=ε``, or by hand: the mean of
+the log-probs over the vocabulary is ``Σ_j z_j / V − lse``, a linear form), class weights (CE / nll ``weight=``: a
+weighted gather, normalised by Σ w_y as torch does) and ``argmax`` of the logits (or of their log-softmax / softmax:
+token accuracy) all come out of the same pass over the vocabulary. The linear may be spelled with casts and
+transposes in any order (verl's ``torch.matmul(h.float(), W.transpose(0, 1).float())``); a product with a weight
+that it does not read as ``h·Wᵀ`` (einsum, a weight stored [D, V]) and that reaches a softmax is skipped with a reason.
 
 Temperature: a Python number goes to the op's ``temperature``. A tensor (or symbolic) temperature scales h instead,
 ``(h / t).to(h.dtype)``, and the op gets 1.0: exact in fp32, one extra rounding of h in bf16 (its grad flows to t).
@@ -69,13 +79,20 @@ def find(gm: fx.GraphModule) -> list[A.Region]:
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = []
     for node in gm.graph.nodes:
-        lin = G.as_linear(node) or _gathered_linear(node)
-        if lin is None or len(G.shape(lin.weight) or ()) != 2 or G.hint(G.shape(lin.weight)[0]) is None:
+        lin, weight_cast = G.as_linear(node) or _gathered_linear(node), None
+        if lin is None:
+            lin, weight_cast = _cast_linear(node)
+        if lin is None:
+            unread = _unread_matmul(node)
+            if unread is not None and _softmax_reached(node) is not None:
+                regions.append(A.Region(unread[0], rejected=unread[1]))
+            continue
+        if len(G.shape(lin.weight) or ()) != 2 or G.hint(G.shape(lin.weight)[0]) is None:
             continue
         target = _softmax_reached(lin.node)
         if target is None:
             continue  # a plain linear (an MLP's, a projection's): not a candidate
-        r = A.Analysis(gm, lin, position).run()
+        r = A.Analysis(gm, lin, position, weight_cast).run()
         if not r.softmax_family:
             r.rejected = r.rejected or _not_followed(r, target, position)
         regions.append(r)
@@ -121,6 +138,56 @@ def _not_followed(r: A.Region, target: fx.Node, position: dict[fx.Node, int]) ->
     )
 
 
+def _cast_linear(node: fx.Node) -> tuple[G.Linear | None, torch.dtype | None]:
+    """``torch.matmul(h.float(), W.transpose(0, 1).float())`` (verl's spelling): a linear whose weight operand is
+    the weight transposed and cast, in any order, to the product's dtype; (the linear, that dtype) or (None, None).
+    The rewrite casts the weight as the graph did."""
+    if G.op(node) != "matmul" or len(node.args) != 2 or node.kwargs or len(G.shape(node.args[0]) or ()) < 2:
+        return None, None
+    cur, casts, transposes = node.args[1], set(), 0
+    while isinstance(cur, fx.Node):
+        if (to := G.cast_target(cur)) is not None:
+            casts.add(to)
+            cur = cur.args[0]
+        elif (src := G.transposed_of(cur)) is not None:
+            transposes += 1
+            cur = src
+        else:
+            break
+    if transposes != 1 or casts != {G.dtype(node)} or G.graph_input(cur) is not cur:
+        return None, None
+    if G.dtype(cur) not in A.FLOAT_DTYPES:
+        return None, None
+    return G.Linear(node, node.args[0], cur, None), G.dtype(node)
+
+
+def _unread_matmul(node: fx.Node) -> tuple[G.Linear, str] | None:
+    """A product with a 2-D graph input (a weight) whose output's last dim is one of that weight's sizes, in a form
+    the pass does not read as ``h·Wᵀ``: (a stand-in linear for the report, the reason), else None. It is reported
+    when it reaches a softmax, so that no lm_head is left without a word."""
+    name = G.op(node)
+    if node.op not in ("call_function", "call_method"):
+        return None
+    if name not in _MATMULS and node.target is not operator.matmul and name != "linear":
+        return None
+    width = G.hint((G.shape(node) or (None,))[-1])
+    for operand in node.all_input_nodes:
+        cur = operand
+        while isinstance(cur, fx.Node) and (G.cast_target(cur) is not None or G.is_view_like(cur)):
+            cur = cur.args[0]
+        src = G.graph_input(cur)
+        shape = G.shape(src) if src is not None else None
+        if shape is None or len(shape) != 2 or width is None or width not in [G.hint(s) for s in shape]:
+            continue
+        lhs = next((a for a in node.all_input_nodes if a is not operand), operand)
+        reason = (
+            f"{name} {node.name} multiplies by the weight {src.name} {tuple(shape)} in a form the pass does not read "
+            "as an lm_head h·Wᵀ with W [V, D] (F.linear, h @ W.t(), torch.matmul(h, W.transpose(0, 1)), with casts)"
+        )
+        return G.Linear(node, lhs, src, None), reason
+    return None
+
+
 def _gathered_linear(node: fx.Node) -> G.Linear | None:
     """The logits of a vocab-parallel lm_head, as ``passes/tensor_parallel.py`` leaves them: all-gathered along the
     vocabulary right after the local linear. Seen as one linear of the whole vocabulary; the rewrite calls the
@@ -151,11 +218,12 @@ def check(r: A.Region) -> tuple[list[fx.Node], str | None]:
 
 def _check_linear(r: A.Region) -> str | None:
     lin = r.linear
-    if lin.bias is not None:
-        return f"the linear has a bias ({lin.bias.name}); the fused op has none"
+    if lin.bias is not None and r.vocab_parallel is not None:
+        return f"the vocab-parallel linear has a bias ({lin.bias.name}); the vocab-parallel op has none"
     if G.graph_input(lin.weight) is None:
         return f"its weight {lin.weight.name} is computed in the graph, not a graph input (parameter)"
     hd, wd, od = G.dtype(lin.input), G.dtype(lin.weight), G.dtype(lin.node)
+    wd = r.weight_cast or wd  # the weight cast to the product's dtype in the graph: the rewrite casts it too
     if od not in _OP_DTYPES:
         return f"logits dtype {od} is not supported by the fused op (float16, bfloat16, float32)"
     if hd != od or wd != od:
@@ -223,9 +291,7 @@ def _describe_use(user: fx.Node) -> str:
 
 def _row_reason(node: fx.Node, v: A.Row) -> str | None:
     t = dict(v.terms)
-    lse = t.get("lse", 0.0) + t.get("spz", 0.0) + sum(c for k, c in t.items() if isinstance(k, tuple) and k[0] == "zy")
-    if abs(lse) > 1e-12:
-        return f"{node.name} uses logsumexp(logits) on its own (not as part of a log-prob or entropy)"
+    # lse on its own (a z-loss term, lse returned) is an output of the op; only a constant is no use
     if not any(k != "one" for k in t):
         return f"{node.name} is a constant of the logits' softmax"
     return None
@@ -255,7 +321,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     live = set(gm.graph.nodes)
     if result is not None and not any(n in live for nodes in wide for n in nodes):
         for rewrite in result.rewrites:
-            rewrite.detail += f"; read from {len(kernels)} call(s) of TRL's Triton log-prob/entropy kernel (graph-wide)"
+            rewrite.detail += f"; read from {LK.summary(kernels)} (graph-wide)"
         return result
     why = "; ".join(dict.fromkeys(s.reason for s in result.skipped)) if result else "no fake tensors on its logits"
     why = why or "its logits' linear is not an lm_head candidate"

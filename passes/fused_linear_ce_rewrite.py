@@ -144,22 +144,37 @@ def _rewrite_region(
     # which (base, labels, ignore) calls each escaping value needs
     calls: dict[fx.Node, dict[tuple, dict[str, Any]]] = {}
     needs_entropy: set[fx.Node] = set()
+    needs_lse: set[fx.Node] = set()  # bases of row values with lse on its own (z-loss): the op returns lse
+    needs_zsum: set[fx.Node] = set()  # bases of row values with Σ_j z_j (label smoothing): the op returns it
+    needs_argmax: set[fx.Node] = set()  # bases whose argmax is used (token accuracy)
     for node in escapes:
         v = r.values[node]
         keys = []
-        if isinstance(v, A.Reduced):
+        if isinstance(v, A.Argmax):
+            needs_argmax.add(v.base)
+        elif isinstance(v, A.Reduced):
             keys.append((v.labels, v.ignore))
+            if v.smoothing:
+                needs_lse.add(v.base)
+                needs_zsum.add(v.base)
         else:
+            if abs(lse_coefficient(v)) > 1e-12:
+                needs_lse.add(v.base)
             for k, _ in v.terms:
                 if k == "spz":
                     needs_entropy.add(v.base)
+                elif k == "zsum":
+                    needs_zsum.add(v.base)
                 elif isinstance(k, tuple) and k[0] == "zy":
                     keys.append((k[1], A.ANY_NEGATIVE))
-                elif isinstance(k, tuple) and k[0] == "ce":
+                elif isinstance(k, tuple) and k[0] in ("ce", "wce", "smooth"):
                     keys.append((k[1], k[2]))
+                    if k[0] == "smooth":
+                        needs_lse.add(v.base)
+                        needs_zsum.add(v.base)
         for key in keys:
             calls.setdefault(v.base, {}).setdefault(key, {})
-    for base in needs_entropy:
+    for base in needs_entropy | needs_lse | needs_zsum | needs_argmax:
         calls.setdefault(base, {})
 
     # merge a gather's labels (any negative ignore_index) into a CE call on the same labels with a negative one
@@ -175,10 +190,18 @@ def _rewrite_region(
 
     # everything the calls read must exist before the anchor: move pure label computations up if needed
     for base, keyed in calls.items():
-        for n in (*(t for _, t in r.chain(base).tensor_scales), *(k[0] for k in keyed)):
+        chain = r.chain(base)
+        for n in (*(t for _, t in chain.tensor_scales), *(k[0] for k in keyed), chain.bias):
             _hoist(n, anchor, position)
     for n in plan.externals if plan is not None else ():
         _hoist(n, anchor, position)
+    for node in escapes:  # class weights
+        v = r.values[node]
+        if isinstance(v, A.Argmax):
+            continue
+        weights = [v.weight] if isinstance(v, A.Reduced) else [k[3] for k, _ in v.terms if _is_term(k, "wce")]
+        for w in weights:
+            _hoist(w, anchor, position)
 
     results: dict[fx.Node, dict[Any, Any]] = {}
     n_calls = 0
@@ -188,13 +211,18 @@ def _rewrite_region(
         hb = h if G.dtype(h) == compute else b.call("to", h, compute, method=True)
         for view in chain.replay:
             hb = _replay(b, hb, view, d)
+        bias = chain.bias
         for kind, t in chain.tensor_scales:
             hb = b.call(operator.truediv if kind == "div" else operator.mul, hb, t)
+            if bias is not None:  # (h·Wᵀ + b) / t = (h / t)·Wᵀ + b / t: the bias is scaled with h
+                bias = b.call(operator.truediv if kind == "div" else operator.mul, bias, t)
         if chain.tensor_scales:
             hb = b.call("to", hb, compute, method=True)
+            if bias is not None and G.dtype(bias) != G.dtype(chain.bias):
+                bias = b.call("to", bias, G.dtype(chain.bias), method=True)
         device = G.example_value(h).device
         rows.append(math.prod(G.hint(s) or 0 for s in G.shape(hb)[:-1]))
-        out: dict[Any, Any] = {"entropy": None}
+        out: dict[Any, Any] = {"entropy": None, "lse": None, "zsum": None, "argmax": None}
         todo = [k for k, spec in keyed.items() if "alias" not in spec] or [None]  # None: entropy only
         for key in todo:
             if key is None:
@@ -210,6 +238,9 @@ def _rewrite_region(
                     elif A.ndim_of(labels) == len(lead) + 1:  # a gather index [..., 1]
                         labels = b.call(torch.squeeze, labels, -1)
             with_entropy = base in needs_entropy and out["entropy"] is None
+            with_lse = base in needs_lse and out["lse"] is None
+            with_zsum = base in needs_zsum and out["zsum"] is None
+            with_argmax = base in needs_argmax and out["argmax"] is None
             ls = G.shape(labels)
             # the chunk setting of this compile (options= included), not the op's default read from the env
             args = [hb, weight, labels, float(temperature_of(chain)), int(ignore), with_entropy, settings.check_inputs,
@@ -217,17 +248,33 @@ def _rewrite_region(
             vp = r.vocab_parallel
             if vp is not None and int(ignore) >= 0:
                 raise A.Reject(f"ignore_index={ignore}: the vocab-parallel op needs a negative one (logits gathered)")
+            extras = needs_lse | needs_zsum | needs_argmax
+            if vp is not None and (chain.bias is not None or chain.softcap or base in extras):
+                raise A.Reject(
+                    "a vocab-parallel lm_head with a bias, a softcap or lse on its own (the vocab-parallel op has none)"
+                )
             with fake_mode:
                 expected = (
                     torch.empty(ls, dtype=torch.float32, device=device),
                     torch.empty(ls if with_entropy else (0,), dtype=torch.float32, device=device),
                 )
-            if vp is not None:  # the local weight's statistics, reduced across the group; no logits gathered
+            ext = plan is None and vp is None
+            ext = ext and (chain.bias is not None or bool(chain.softcap) or base in extras)  # loss-aware: a softcap
+            if ext:  # the op with options: a bias, a softcap, lse, Σz, argmax
+                args = [*args, bias, float(chain.softcap), with_lse, with_zsum, with_argmax]
+                fused = b.call(_ext_op(), *args)
+                with fake_mode:
+                    rows_if = [torch.empty(ls if on else (0,), dtype=dt, device=device)
+                               for on, dt in ((with_lse, torch.float32), (with_zsum, torch.float32),
+                                              (with_argmax, torch.int64))]  # fmt: skip
+                    expected = (*expected, *rows_if)
+            elif vp is not None:  # the local weight's statistics, reduced across the group; no logits gathered
                 args = [*args[:6], int(settings.ce_vocab_chunk), vp.group, vp.world, vp.rank]
                 fused = b.call(_vocab_parallel_op(), *args)
             elif plan is not None:  # extras and key are set once the loss function is extracted (below)
                 detached = [b.call("detach", x, method=True) for x in (hb, weight)]
-                args = [*detached, *args[2:7], [], 0, int(settings.ce_loss_block_rows), _grad_backend(settings, device)]
+                args = [*detached, *args[2:7], [], 0, int(settings.ce_loss_block_rows), _grad_backend(settings, device),
+                        float(chain.softcap)]  # fmt: skip
                 fused = b.call(_loss_op(), *args)
                 with fake_mode:
                     expected = (
@@ -247,6 +294,15 @@ def _rewrite_region(
             if with_entropy:
                 out["entropy"] = b.call(operator.getitem, fused, 1)
                 expect(out["entropy"], expected[1])
+            if with_lse:
+                out["lse"] = b.call(operator.getitem, fused, 2)
+                expect(out["lse"], expected[2])
+            if with_zsum:
+                out["zsum"] = b.call(operator.getitem, fused, 3)
+                expect(out["zsum"], expected[3])
+            if with_argmax:
+                out["argmax"] = b.call(operator.getitem, fused, 4)
+                expect(out["argmax"], expected[4])
             if plan is not None:
                 loss_call.update(
                     logp=logp, entropy=out["entropy"], grads=[b.call(operator.getitem, fused, i) for i in (2, 3)]
@@ -263,14 +319,11 @@ def _rewrite_region(
         v = r.values[node]
         out = results[v.base]
         if isinstance(v, A.Reduced):
-            logp, labels, ignore = out[(v.labels, v.ignore)]
-            total = b.call(torch.neg, b.call(torch.sum, logp))
-            if v.reduction == "mean":
-                count = b.call(torch.sum, b.call(operator.ne, labels, ignore))
-                total = b.call(operator.truediv, total, count)
-            value = total
+            value = _reduced_value(b, v, out, r.vocab)
+        elif isinstance(v, A.Argmax):
+            value = b.call(torch.unsqueeze, out["argmax"], -1) if v.keepdim else out["argmax"]
         else:
-            value = _row_value(b, v, out)
+            value = _row_value(b, v, out, r.vocab)
         want = G.example_value(node)
         if not A.same_shape(G.shape(value), tuple(want.shape)):  # a row value of a reshaped view of the base
             shape = [s if G.static_size(s) is None else G.static_size(s) for s in want.shape]  # pinned: as ints
@@ -312,6 +365,10 @@ def _rewrite_region(
     spelled = dict.fromkeys(G.op(n) for n in r.order if G.op(n) in _SPELLING_OPS)
     joins = ", ".join(f"{k}" if n == 1 else f"{k} (x{n})" for k, n in collections.Counter(r.joins).items())
     autocast = f"; autocast to {str(compute).replace('torch.', '')}" if compute != G.dtype(h) else ""
+    biases = sorted({r.chain(bn).bias.name for bn in calls if r.chain(bn).bias is not None})
+    caps = sorted({f"{r.chain(bn).softcap:g}" for bn in calls if r.chain(bn).softcap})
+    autocast += f"; bias {'/'.join(biases)}" if biases else ""
+    autocast += f"; softcap {'/'.join(caps)}" if caps else ""
     detail = (
         f"{', '.join(dict.fromkeys(_output_name(r.values[n]) for n in escapes))} "
         f"(via {', '.join(spelled)}); temperature {'/'.join(temps)}"
@@ -341,6 +398,14 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) ->
         why = "the loss-aware mode is off (ce_loss_aware=0)"
     elif r.vocab_parallel is not None:
         why = "a vocab-parallel lm_head has no loss-aware mode"
+    elif any(r.chain(base).bias is not None for base in calls):
+        why = "the loss-aware op has no bias"
+    elif any(isinstance(r.values[n], A.Argmax) for n in escapes):
+        why = "the loss-aware op has no argmax output"
+    elif any(isinstance(r.values[n], A.Row) and abs(lse_coefficient(r.values[n])) > 1e-12 for n in escapes):
+        why = "the loss-aware op has no lse output (z-loss)"
+    elif any(_smoothed_or_weighted(r.values[n]) for n in escapes):
+        why = "the loss-aware op has no label smoothing (Σz) or class weights"
     elif len(calls) != 1 or sum(1 for spec in next(iter(calls.values())).values() if "alias" not in spec) > 1:
         why = "more than one fused call (several label sets or views of the logits)"
     elif switch:
@@ -442,6 +507,12 @@ def _loss_op() -> Any:
     return torch.ops.tilecompile.fused_linear_logprob_loss.default
 
 
+def _ext_op() -> Any:
+    import tilecompile.ops.fused_linear_ce  # noqa: F401 - registers the op
+
+    return torch.ops.tilecompile.fused_linear_logprob_ext.default
+
+
 def _anchor_op() -> Any:
     import tilecompile.ops.fused_linear_ce  # noqa: F401 - registers the op
 
@@ -449,10 +520,16 @@ def _anchor_op() -> Any:
 
 
 def _output_name(v: Any) -> str:
+    if isinstance(v, A.Argmax):
+        return "argmax"
     if isinstance(v, A.Reduced):
-        return f"cross_entropy {v.reduction} (ignore_index={v.ignore})"
-    kinds = {"entropy" if k == "spz" else "log-prob" for k, _ in v.terms if k not in ("lse", "one")}
-    return " + ".join(sorted(kinds, reverse=True)) if len(kinds) > 1 else kinds.pop()
+        extra = f", label_smoothing={v.smoothing:g}" if v.smoothing else ""
+        extra += ", class weights" if v.weight is not None else ""
+        return f"cross_entropy {v.reduction} (ignore_index={v.ignore}{extra})"
+    names = {"spz": "entropy", "zsum": "mean log-prob (label smoothing)"}
+    kinds = {names.get(k, "log-prob") for k, _ in v.terms if k not in ("lse", "one")}
+    kinds = sorted(kinds, reverse=True) + (["lse"] if abs(lse_coefficient(v)) > 1e-12 else [])
+    return " + ".join(kinds)
 
 
 def _grad_modes(graph: fx.Graph) -> dict[fx.Node, bool | None]:
@@ -475,14 +552,77 @@ def _traceable(shape: list) -> list:
     return shape
 
 
-def _row_value(b: Builder, v: A.Row, out: dict[Any, Any]) -> fx.Node:
+def lse_coefficient(v: A.Row) -> float:
+    """The coefficient of lse in a row value once its terms are written in logp, H and lse: z_y = logp + lse and
+    Σ p·z = lse − H each bring one (a log-prob or an entropy alone has none; a z-loss term does)."""
+    t = dict(v.terms)
+    return t.get("lse", 0.0) + t.get("spz", 0.0) + sum(c for k, c in t.items() if isinstance(k, tuple) and k[0] == "zy")
+
+
+def _is_term(k: Any, kind: str) -> bool:
+    return isinstance(k, tuple) and k[0] == kind
+
+
+def _smoothed_or_weighted(v: Any) -> bool:
+    if isinstance(v, A.Reduced):
+        return bool(v.smoothing) or v.weight is not None
+    return any(k == "zsum" or (isinstance(k, tuple) and k[0] in ("wce", "smooth")) for k, _ in v.terms)
+
+
+def _class_weight(b: Builder, weight: fx.Node, labels: fx.Node, ignore: int) -> fx.Node:
+    """weight[labels] at active rows, 0 at ignored ones (fp32), as nll_loss weighs them."""
+    active = b.call(operator.ne, labels, ignore)
+    safe = b.call(torch.where, active, labels, 0)
+    picked = b.call(torch.take, b.call("float", weight, method=True), b.call("long", safe, method=True))
+    return b.call(torch.where, active, picked, 0.0)
+
+
+def _smooth_term(b: Builder, out: dict[Any, Any], labels: fx.Node, ignore: int, vocab: int) -> fx.Node:
+    """Label smoothing's −Σ_j log p_j / V = lse − Σ_j z_j / V at active rows, 0 at ignored ones."""
+    per_row = b.call(operator.sub, out["lse"], b.call(operator.truediv, out["zsum"], float(vocab)))
+    return b.call(torch.where, b.call(operator.ne, labels, ignore), per_row, 0.0)
+
+
+def _reduced_value(b: Builder, v: A.Reduced, out: dict[Any, Any], vocab: int) -> fx.Node:
+    """``F.cross_entropy(..., reduction="sum" | "mean")``: Σ (1 − ε)·w_y·(−logp) + ε·smooth over the active rows,
+    divided (mean) by Σ w_y (the active rows' count without weights), as torch computes it."""
+    logp, labels, ignore = out[(v.labels, v.ignore)]
+    nll = b.call(torch.neg, logp)
+    if v.weight is not None:
+        wy = _class_weight(b, v.weight, labels, ignore)
+        nll = b.call(operator.mul, nll, wy)
+    total = b.call(torch.sum, nll)
+    if v.smoothing:
+        smooth = b.call(torch.sum, _smooth_term(b, out, labels, ignore, vocab))
+        total = b.call(operator.add, b.call(operator.mul, total, 1.0 - v.smoothing),
+                       b.call(operator.mul, smooth, v.smoothing))  # fmt: skip
+    if v.reduction == "mean":
+        if v.weight is not None:
+            count = b.call(torch.sum, wy)
+        else:
+            count = b.call(torch.sum, b.call(operator.ne, labels, ignore))
+        total = b.call(operator.truediv, total, count)
+    return total
+
+
+def _row_value(b: Builder, v: A.Row, out: dict[Any, Any], vocab: int) -> fx.Node:
     t = dict(v.terms)
     parts: list[tuple[fx.Node, float]] = []
+    if abs(lse_coefficient(v)) > 1e-12:
+        parts.append((out["lse"], lse_coefficient(v)))
     for k, c in t.items():
         if isinstance(k, tuple) and k[0] == "zy":
             parts.append((out[(k[1], A.ANY_NEGATIVE)][0], c))  # c · logp (its −c·lse is cancelled by the check)
         elif isinstance(k, tuple) and k[0] == "ce":
             parts.append((out[(k[1], k[2])][0], -c))
+        elif isinstance(k, tuple) and k[0] == "wce":
+            logp, labels, ignore = out[(k[1], k[2])]
+            parts.append((b.call(operator.mul, logp, _class_weight(b, k[3], labels, ignore)), -c))
+        elif isinstance(k, tuple) and k[0] == "smooth":
+            _, labels, ignore = out[(k[1], k[2])]
+            parts.append((_smooth_term(b, out, labels, ignore, vocab), c))
+        elif k == "zsum":
+            parts.append((out["zsum"], c))
         elif k == "spz":
             parts.append((out["entropy"], -c))  # Σ p z = lse − H; the lse parts cancel
     value = None

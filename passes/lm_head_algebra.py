@@ -51,6 +51,14 @@ class Chain:
     replay: tuple[fx.Node, ...]  # views/slices from the linear output to here, to replay on h
     scale: float = 1.0  # product of Python-number multipliers (1 / temperature)
     tensor_scales: tuple[tuple[str, Any], ...] = ()  # ("div" | "mul", tensor or symbolic scalar)
+    # z = scale · softcap(h·Wᵀ + bias) (times the tensor scales), softcap(u) = c·tanh(u / c), none when c is 0
+    bias: fx.Node | None = None  # a [V] vector added to the product (F.linear's, ``+ b``, ``+= b``)
+    softcap: float = 0.0
+
+    @property
+    def transform(self) -> tuple:
+        """What the chain does to the product besides views: equal for chains that are the same logits."""
+        return (self.scale, self.tensor_scales, self.bias, self.softcap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +73,10 @@ class Vocab:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """A per-row value: Σ coef · term with terms "lse", "spz" (Σ p·z), "one", ("zy", labels) and ("ce", labels,
-    ignore_index) (the unreduced CE, −logp masked); [..., 1] when ``keepdim``."""
+    """A per-row value: Σ coef · term with terms "lse", "spz" (Σ p·z), "zsum" (Σ_j z_j), "one", ("zy", labels),
+    ("ce", labels, ignore_index) (the unreduced CE, −logp masked), ("wce", labels, ignore_index, weight) (the
+    same times weight[labels]) and ("smooth", labels, ignore_index) (label smoothing's lse − Σ_j z_j / V, masked);
+    [..., 1] when ``keepdim``."""
 
     base: fx.Node
     terms: tuple[tuple[Any, float], ...]
@@ -81,6 +91,16 @@ class Reduced:
     labels: fx.Node
     ignore: int
     reduction: str
+    smoothing: float = 0.0  # label_smoothing=
+    weight: fx.Node | None = None  # class weights [V] (weight=)
+
+
+@dataclasses.dataclass(frozen=True)
+class Argmax:
+    """``argmax(z, -1)`` (of the logits, their log-softmax or softmax: the same index), an output of the op."""
+
+    base: fx.Node
+    keepdim: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +158,7 @@ class Reject(Exception):
 @dataclasses.dataclass
 class Region:
     linear: G.Linear
+    weight_cast: torch.dtype | None = None  # the dtype the graph casts the weight to (``W.t().float()``), if any
     values: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     order: list[fx.Node] = dataclasses.field(default_factory=list)  # region nodes in graph order
     softmax_family: bool = False
@@ -202,9 +223,11 @@ def _equal_sizes(a: tuple | None, b: tuple | None) -> bool:
 class Analysis:
     """Walks forward from one linear, giving each node it understands an abstract value."""
 
-    def __init__(self, gm: fx.GraphModule, linear: G.Linear, position: dict[fx.Node, int]) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, linear: G.Linear, position: dict[fx.Node, int], weight_cast: torch.dtype | None = None
+    ) -> None:
         self.gm = gm
-        self.r = Region(linear)
+        self.r = Region(linear, weight_cast)
         self.position = position
         self.bases: dict[tuple, fx.Node] = {}
         # preallocated buffers written with parts of region values: buffer -> [(rows, value, buffer's user, node)]
@@ -215,7 +238,10 @@ class Analysis:
     def run(self) -> Region:
         r = self.r
         lin = r.linear.node
-        r.values[lin] = Chain(())
+        bias = r.linear.bias
+        if bias is not None and (len(G.shape(bias) or ()) != 1 or G.dtype(bias) not in FLOAT_DTYPES[:3]):
+            r.rejected = f"the linear's bias {bias.name} is not a [V] float16/bfloat16/float32 vector"
+        r.values[lin] = Chain((), bias=bias)
         r.order.append(lin)
         # visit the users of region nodes in graph order (a heap of positions): every region input of a node is
         # decided before the node, and nodes the logits never reach are never looked at
@@ -267,7 +293,14 @@ class Analysis:
             return Size(item) if item is not None else None
         if isinstance(xv, Parts) and name == "getitem":
             pc = r.values[xv.parent]
-            return Chain((*pc.replay, x, node), pc.scale, pc.tensor_scales)
+            return dataclasses.replace(pc, replay=(*pc.replay, x, node))
+        if name == "add" and len(node.args) == 2 and not node.kwargs:
+            for c, other in (node.args, node.args[::-1]):
+                cv = r.values.get(c) if isinstance(c, fx.Node) else None
+                if isinstance(cv, Chain) and isinstance(other, fx.Node) and other not in r.values:
+                    return self.biased(cv, other, node)
+        if name == "tanh" and isinstance(xv, Chain):
+            return self.softcapped(xv, node)
 
         if name in ("mul", "div") and len(node.args) == 2 and not node.kwargs:
             a, b = node.args
@@ -300,12 +333,14 @@ class Analysis:
             return Row(form[0], _form(lse=1), bool(keepdim))
         if name == "exp" and isinstance(xv, Vocab) and not xv.soft and xv.form == LOGP:
             return Vocab(xv.base, _form(one=1), True)
+        if name == "argmax" and xv is not None:
+            return self.argmax(node, x)
         if name in ("gather", "take_along_dim") and xv is not None:
             return self.gather(node, name, x)
         if name in ("cross_entropy", "nll_loss") and xv is not None:
             return self.cross_entropy(node, name, x)
-        if name == "sum" and xv is not None:
-            return self.vocab_sum(node, x, xv)
+        if name in ("sum", "mean") and xv is not None:
+            return self.vocab_sum(node, x, xv, name == "mean")
         if name in ("mul", "div", "add", "sub", "neg"):
             return self.arith(node, name)
         if name in ("squeeze", "unsqueeze") and isinstance(xv, Row):
@@ -447,7 +482,7 @@ class Analysis:
         split = G.op(core[-1]) == "getitem" and G.op(core[-1].args[0]) in G.SPLIT_OPS
         if core[: len(core) - 1 - split] != parent.replay:
             return None
-        if (chain.scale, chain.tensor_scales) != (parent.scale, parent.tensor_scales):
+        if chain.transform != parent.transform:
             return None
         return cut
 
@@ -523,12 +558,12 @@ class Analysis:
         v: Chain = self.r.values[node]
         static = is_static(G.shape(node))
         replay = _core(v.replay) if static else v.replay
-        return self.bases.setdefault((_rows_key(replay), v.scale, v.tensor_scales, static), node)
+        return self.bases.setdefault((_rows_key(replay), v.transform, static), node)
 
     def reshaped_base(self, node: fx.Node, base: fx.Node) -> fx.Node:
         c = self.r.chain(base)
-        chain = Chain((*c.replay, node), c.scale, c.tensor_scales)
-        new = self.bases.setdefault((_rows_key(chain.replay), chain.scale, chain.tensor_scales, False), node)
+        chain = dataclasses.replace(c, replay=(*c.replay, node))
+        new = self.bases.setdefault((_rows_key(chain.replay), chain.transform, False), node)
         self.r.chains.setdefault(new, chain)
         return new
 
@@ -550,11 +585,11 @@ class Analysis:
             return xv
         if name == "size" and node.op == "call_method" and len(node.args) == 1 and not node.kwargs:
             return Size()
-        if node.target in ("div_", "mul_", operator.itruediv, operator.imul):
+        if node.target in ("div_", "mul_", "add_", operator.itruediv, operator.imul, operator.iadd):
             return self.inplace_scale(node, x, xv)
         if name in G.VIEW_OPS or name in ("getitem", "unflatten", "narrow", "select"):
             if self.leading_only(node, name, x):
-                return Chain((*xv.replay, node), xv.scale, xv.tensor_scales)
+                return dataclasses.replace(xv, replay=(*xv.replay, node))
         if name in G.SPLIT_OPS and x is node.args[0]:
             dim = G.normalize_dim(G.arg(node, 1 if name == "unbind" else 2, "dim", 0), ndim_of(x))
             if dim is not None and 0 <= dim < ndim_of(x) - 1:
@@ -572,7 +607,7 @@ class Analysis:
                     f"the logits are {how}: a temperature that is not finite and > 0 (the fused op's must be)"
                 )
                 return xv
-            return Chain(xv.replay, scale, xv.tensor_scales)
+            return dataclasses.replace(xv, scale=scale)
         if isinstance(other, fx.Node):
             value = G.example_value(other)
             if isinstance(value, torch.Tensor) and value.dim() != 0:
@@ -584,16 +619,56 @@ class Analysis:
                 return xv
             if isinstance(value, torch.Tensor) and not value.is_floating_point():
                 return None
-            return Chain(xv.replay, xv.scale, (*xv.tensor_scales, (name, other)))
+            if xv.softcap:
+                pinned = _pinned_number(other)  # a symbolic float (dynamic=True): the number it is, under a guard
+                if pinned is None or pinned <= 0 or not math.isfinite(pinned):
+                    raise Reject(f"the logits are scaled by {other.name} after the softcap: only by a number")
+                return self.scaled(xv, name, pinned)
+            return dataclasses.replace(xv, tensor_scales=(*xv.tensor_scales, (name, other)))
         return None
+
+    def biased(self, xv: Chain, bias: fx.Node, node: fx.Node) -> Chain | None:
+        """``z + b`` with b a [V] vector: the bias of the product, when nothing but views came between."""
+        if G.shape(bias) is None or len(G.shape(bias)) != 1 or G.hint(G.shape(bias)[0]) != self.r.vocab:
+            return None
+        if G.dtype(bias) not in FLOAT_DTYPES:
+            return None
+        if xv.scale != 1.0 or xv.tensor_scales or xv.softcap or xv.bias is not None:
+            raise Reject(
+                f"{node.name} adds {bias.name} to logits that are already scaled, softcapped or biased: only a bias "
+                "of the product itself (h·Wᵀ + b) is fused"
+            )
+        if G.dtype(bias) == torch.float64:
+            raise Reject(f"the bias {bias.name} is float64 (the fused op takes float16, bfloat16 or float32)")
+        return dataclasses.replace(xv, bias=bias)
+
+    def softcapped(self, xv: Chain, node: fx.Node) -> Chain:
+        """``tanh(s·u)`` of the chain ``s·u`` is ``s·softcap(u)`` with the cap c = 1/s: Gemma's
+        ``c·tanh(z / c)`` is the chain with scale 1 and softcap c once the ``· c`` follows."""
+        scale = xv.scale
+        for kind, t in xv.tensor_scales:  # symbolic floats (dynamic=True) are pinned to their numbers
+            pinned = _pinned_number(t)
+            if pinned is None or pinned <= 0 or not math.isfinite(pinned):
+                scale = float("nan")
+                break
+            scale = scale * pinned if kind == "mul" else scale / pinned
+        xv = dataclasses.replace(xv, scale=scale, tensor_scales=()) if math.isfinite(scale) else xv
+        if xv.softcap or xv.tensor_scales or not xv.scale > 0 or not math.isfinite(1.0 / xv.scale):
+            raise Reject(
+                f"tanh {node.name} of logits that are already softcapped or scaled by a tensor: only one softcap "
+                "c·tanh(z / c) with a number c is fused"
+            )
+        return dataclasses.replace(xv, softcap=1.0 / xv.scale)
 
     def inplace_scale(self, node: fx.Node, x: fx.Node, xv: Chain) -> str:
         r = self.r
-        scaled = self.scaled(
-            xv, "mul" if node.target in ("mul_", operator.imul) else "div", node.args[1] if len(node.args) > 1 else None
-        )
+        other = node.args[1] if len(node.args) > 1 else None
+        if node.target in ("add_", operator.iadd):
+            scaled = self.biased(xv, other, node) if isinstance(other, fx.Node) and other not in r.values else None
+        else:
+            scaled = self.scaled(xv, "mul" if node.target in ("mul_", operator.imul) else "div", other)
         if scaled is None or len(node.args) != 2 or node.kwargs:
-            raise Reject(f"in-place {node.target} on the logits ({node.name}) is not a temperature")
+            raise Reject(f"in-place {node.target} on the logits ({node.name}) is not a temperature or a bias")
         # the mutation is visible through every alias: allow it only where x's ancestors have no other use,
         # and where x itself was not read before it (those readers saw the unscaled logits)
         if any(u in r.values for u in x.users):
@@ -688,12 +763,22 @@ class Analysis:
         reduction = G.arg(node, 6, "reduction", "mean")
         smoothing = G.arg(node, 7, "label_smoothing", 0.0) if name == "cross_entropy" else 0.0
         where = f"{name} {node.name}"
-        if weight is not None:
-            raise Reject(f"{where} has class weights (the fused op has none)")
         if size_average is not None or reduce is not None:
             raise Reject(f"{where} uses the legacy size_average/reduce arguments")
-        if smoothing:
-            raise Reject(f"{where} has label_smoothing={smoothing} (the fused op has none)")
+        if weight is not None:
+            ws = G.shape(weight) if isinstance(weight, fx.Node) else None
+            if ws is None or len(ws) != 1 or G.hint(ws[0]) != r.vocab or weight in r.values:
+                raise Reject(f"{where} has class weights that are not a [V] tensor")
+            if G.dtype(weight) not in FLOAT_DTYPES:
+                raise Reject(f"{where} has class weights of dtype {G.dtype(weight)}")
+        if not isinstance(smoothing, int | float) or isinstance(smoothing, bool) or not 0.0 <= smoothing <= 1.0:
+            raise Reject(f"{where} has label_smoothing={smoothing!r}, not a number in [0, 1]")
+        if smoothing and weight is not None:
+            raise Reject(
+                f"{where} has class weights and label_smoothing={smoothing} together (its smoothing term is a "
+                "weighted sum over the vocabulary, which the fused op does not compute)"
+            )
+        smoothing = float(smoothing)
         ignore, reduction = _pinned(ignore), _pinned(reduction)
         if not isinstance(ignore, int) or reduction not in ("none", "mean", "sum"):
             raise Reject(f"{where}: ignore_index={ignore!r} / reduction={reduction!r} are not constants it knows")
@@ -709,15 +794,35 @@ class Analysis:
             raise Reject(f"{where}: logits of shape {xs} with labels of shape {G.shape(labels)} (needs [N, V] and [N])")
         labels = _canonical_labels(labels)
         if reduction == "none":
-            return Row(form[0], ((("ce", labels, ignore), 1.0),), False)
-        return Reduced(form[0], labels, ignore, reduction)
+            if weight is not None:
+                return Row(form[0], ((("wce", labels, ignore, weight), 1.0),), False)
+            terms = _combine(((("ce", labels, ignore), 1.0 - smoothing),), ((("smooth", labels, ignore), smoothing),))
+            return Row(form[0], terms, False)
+        return Reduced(form[0], labels, ignore, reduction, smoothing, weight)
 
-    def vocab_sum(self, node: fx.Node, x: fx.Node, xv: Any) -> Row | None:
-        if not isinstance(xv, Vocab) or not xv.soft:
+    def argmax(self, node: fx.Node, x: fx.Node) -> Argmax | None:
+        """The index of the largest logit: the same for every increasing form of z (log-softmax, softmax)."""
+        form = self.vocab_form(x)
+        dim, keepdim = G.arg(node, 1, "dim"), G.arg(node, 2, "keepdim", False)
+        if form is None or dim is None or not _dim_is_last(dim, ndim_of(x)):
             return None
+        coef = dict(form[1])
+        if (form[2] and form[1] != SOFTMAX) or (not form[2] and coef.get("z", 0.0) <= 0):
+            return None
+        return Argmax(form[0], bool(keepdim))
+
+    def vocab_sum(self, node: fx.Node, x: fx.Node, xv: Any, mean: bool = False) -> Row | None:
         dim = G.arg(node, 1, "dim")
         keepdim = G.arg(node, 2, "keepdim", False)
         if dim is None or not _dim_is_last(dim, ndim_of(x)) or node.kwargs.get("dtype") not in (None, *FLOAT_DTYPES):
+            return None
+        form = self.vocab_form(x)
+        if form is not None and not form[2]:
+            # Σ_j (a z_j + b lse + c) = a Σz + V (b lse + c): label smoothing's mean log-prob, a linear form
+            a, n = dict(form[1]), self.r.vocab
+            terms = _form(zsum=a.get("z", 0), lse=a.get("lse", 0) * n, one=a.get("one", 0) * n)
+            return Row(form[0], _scaled(terms, 1.0 / n) if mean else terms, bool(keepdim))
+        if not isinstance(xv, Vocab) or not xv.soft or mean:
             return None
         a = dict(xv.form)
         # Σ_j p_j (a z_j + b lse + c) = a Σ p z + b lse + c
@@ -801,7 +906,7 @@ class Analysis:
         pv = self.r.values.get(parent) if isinstance(parent, fx.Node) else None
         if not isinstance(pv, Chain) or pv.replay != chain.replay[:-1]:
             return None
-        if (pv.scale, pv.tensor_scales) != (chain.scale, chain.tensor_scales):
+        if pv.transform != chain.transform:
             return None
         if not _equal_sizes(G.shape(node), G.shape(parent)[:-1]):
             return None
@@ -835,6 +940,22 @@ def _pinned(x: Any) -> Any:
         return guard_int(value)
     except Exception:  # noqa: BLE001 - unbacked (data-dependent): no value to pin, left as it is
         return x
+
+
+def _pinned_number(x: Any) -> float | None:
+    """A symbolic scalar (a Python float Dynamo made an input under dynamic shapes) as the number it is in this
+    call, under a guard (a call with another value recompiles); None for a tensor or what cannot be pinned."""
+    value = G.example_value(x) if isinstance(x, fx.Node) else x
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, torch.SymFloat | torch.SymInt):
+        return None
+    from torch.fx.experimental.symbolic_shapes import guard_float, guard_int
+
+    try:
+        return float(guard_float(value) if isinstance(value, torch.SymFloat) else guard_int(value))
+    except Exception:  # noqa: BLE001 - unbacked (data-dependent): no number to pin
+        return None
 
 
 def _scale_value(v: Any, s: float | None) -> Any:

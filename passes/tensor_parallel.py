@@ -859,8 +859,28 @@ def sharded_inputs(gm: fx.GraphModule) -> dict[fx.Node, P.ShardSpec]:
     return out
 
 
+def graph_params(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The parameters ``gm``'s placeholders hold (what Dynamo recorded for each)."""
+    out = []
+    for node in gm.graph.nodes:
+        arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+        example = getattr(arg, "example", None)
+        if isinstance(example, torch.nn.Parameter):
+            out.append(example)
+    return out
+
+
+def check_intact(gm: fx.GraphModule) -> None:
+    """A graph over a parallelized model whose parameters lost their shard records (FSDP2 applied after
+    ``parallelize``) would run on shards without collectives: refuse it before it runs."""
+    why = P.check_shards_intact(graph_params(gm))
+    if why is not None:
+        raise TensorParallelError(why)
+
+
 def check_off(gm: fx.GraphModule) -> None:
     """Called by the pipeline when this pass is switched off: a graph of sharded parameters must not compile."""
+    check_intact(gm)
     specs = sharded_inputs(gm)
     if specs:
         names = ", ".join(sorted({s.fqn for s in specs.values()})[:3])
@@ -875,6 +895,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult()
     if getattr(gm, _DONE, None) is not None:
         return result  # a body lowered through its call site, or a graph lowered before
+    check_intact(gm)
     specs = sharded_inputs(gm)
     if not specs:
         return result

@@ -36,7 +36,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # ------------------------------------------------------------------------------------------------ lm_head / CE
 
-CE_LINEARS = ("module", "F.linear", "matmul_t", "matmul_T", "transpose")
+CE_LINEARS = ("module", "F.linear", "matmul_t", "matmul_T", "transpose", "verl_matmul")
+# how a bias enters the logits: none, F.linear's, added after the product, added in place (``z += b``)
+CE_BIASES = ("none", "linear", "add", "iadd")
 CE_TEMPERATURES = ("none", "div", "mul_inv", "div_method", "div_", "torch.div", "tensor", "tensor_grad")
 # head -> (fires, needs every label valid): gather in eager fails on negative labels, so a gather-based
 # log-prob gets no ignored rows; cross_entropy / nll_loss spellings take ignore_index and ignored rows.
@@ -60,16 +62,19 @@ CE_HEADS = {
     "logp_lse_buffer": (True, True),  # OpenRLHF: gather − logsumexp of row chunks written into a zeros buffer
     "chunk_cat_with_labels": (True, True),  # log-prob and entropy of z.chunk(k, -2) with labels.chunk(k, -1), cat
     "entropy_rows_copy": (True, False),  # out[i].copy_(entropy(z[i])) into an empty buffer, row by row
+    "bias": (True, True),  # log-prob of an lm_head module with a bias
+    "lse_alone": (True, False),  # logsumexp(z) on its own, no log-prob: an output of the op
+    "z_loss": (True, False),  # mean CE + 1e-2 · mean lse² (Liger's and PaLM's z-loss)
+    "argmax_too": (True, True),  # log-prob, and argmax of the logits (token accuracy): an output of the op
+    "label_smoothing": (True, False),  # F.cross_entropy(label_smoothing=0.1)
+    "class_weights": (True, False),  # F.cross_entropy(weight=w), w ~ U(0.5, 1.5)
 }
 CE_ROW_PARTS = ("entropy_split_cat", "logp_lse_buffer", "chunk_cat_with_labels", "entropy_rows_copy", "parts_gap",
                 "buffer_read_early")  # fmt: skip
 # near-misses: each computes something from the logits the fused op cannot (or must not) replace
 CE_NEAR_MISSES = {
     "logits_returned": True,  # log-prob, and the logits leave the graph too
-    "argmax_too": True,  # log-prob, and argmax of the logits (sampling / accuracy)
-    "lse_alone": False,  # logsumexp(z) on its own (a z-loss term), no log-prob
     "softmax_dim0": False,  # log_softmax over the token dim: not a softmax over the vocabulary
-    "bias": True,  # lm_head with a bias (the fused op has none)
     "computed_weight": True,  # weight computed in the graph (W * 2), not a parameter
     "probs_returned": False,  # softmax(z) leaves the graph
     "parts_gap": False,  # entropy of rows 0:1 and 2:, joined: row 1 left out (needs 3 rows)
@@ -90,6 +95,8 @@ class CESpec:
     ignore_index: int = -100
     autocast: bool = False  # the linear under torch.autocast("cpu", bfloat16) (fp32 inputs only)
     chunk: int = 4  # rows per part (split, buffer) or number of parts (chunk) of the row-part heads
+    bias: str = "none"  # a key of CE_BIASES
+    softcap: float = 0.0  # c · tanh(z / c) after the cast, before the temperature (0: none)
 
     @property
     def near_miss(self) -> bool:
@@ -112,7 +119,7 @@ class LMHead(nn.Module):
     def __init__(self, spec: CESpec, d: int, v: int) -> None:
         super().__init__()
         self.spec = spec
-        self.lm_head = nn.Linear(d, v, bias=spec.head == "bias")
+        self.lm_head = nn.Linear(d, v, bias=spec.head == "bias" or spec.bias != "none")
         self.reference = False
 
     def logits(self, h: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
@@ -124,25 +131,35 @@ class LMHead(nn.Module):
         return self.scale(z, t)
 
     def linear(self, h: torch.Tensor) -> torch.Tensor:
-        s, w = self.spec, self.lm_head.weight
+        s, w, b = self.spec, self.lm_head.weight, self.lm_head.bias
         if s.head == "computed_weight":
             z = F.linear(h, w * 2.0)
-        elif s.head == "bias" or s.linear == "module":
+        elif s.head == "bias" or (s.linear == "module" and s.bias in ("none", "linear")):
             z = self.lm_head(h)
-        elif s.linear == "F.linear":
-            z = F.linear(h, w)
+        elif s.linear == "F.linear" or s.linear == "module":
+            z = F.linear(h, w, b if s.bias == "linear" else None)
         elif s.linear == "matmul_t":
             z = h @ w.t()
         elif s.linear == "matmul_T":
             z = torch.matmul(h, w.T)
+        elif s.linear == "verl_matmul":  # verl's reference: the product in fp32 whatever h and W are
+            z = torch.matmul(h.float(), w.transpose(0, 1).float())
         else:
             z = h @ w.transpose(0, 1)
+        if s.bias == "linear" and s.linear not in ("module", "F.linear") and s.head != "bias":
+            z = z + b
+        elif s.bias == "add":
+            z = z + b
+        elif s.bias == "iadd":
+            z += b
         return z
 
     def scale(self, z: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
         s = self.spec
         if s.cast_float and not self.reference:
             z = z.float()
+        if s.softcap:
+            z = torch.tanh(z / s.softcap) * s.softcap
         if s.temperature == "div":
             z = z / s.t
         elif s.temperature == "mul_inv":
@@ -247,6 +264,15 @@ class LMHead(nn.Module):
             return (-(p * torch.cat([F.log_softmax(flat[0:1], -1), F.log_softmax(flat[2:], -1)])).sum(-1),)
         if head == "lse_alone":
             return (torch.logsumexp(z, dim=-1),)
+        if head == "label_smoothing":
+            return (F.cross_entropy(z.reshape(-1, v), labels.reshape(-1), ignore_index=ii, label_smoothing=0.1),)
+        if head == "class_weights":
+            w = 1.0 + 0.5 * torch.cos(torch.arange(v, device=z.device, dtype=z.dtype))  # fixed, in [0.5, 1.5]
+            return (F.cross_entropy(z.reshape(-1, v), labels.reshape(-1), ignore_index=ii, weight=w),)
+        if head == "z_loss":
+            flat = z.reshape(-1, v)
+            ce = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ii)
+            return ce + 1e-2 * torch.logsumexp(flat, dim=-1).pow(2).mean(), ce
         if head == "softmax_dim0":
             return (z.log_softmax(dim=0).sum(-1),)
         if head == "probs_returned":
@@ -454,9 +480,16 @@ def ce_specs(
     head = draw(st.sampled_from(sorted(h for h in heads if h in CE_ROW_PARTS or not row_parts)))
     temperature = draw(st.sampled_from(CE_TEMPERATURES))
     t = 1.0 if temperature == "none" else draw(st.sampled_from([0.3, 0.7, 1.0, 1.5, 2.0]))
+    plain = near_miss or head in ("bias", "computed_weight")  # near misses miss for their own reason only
+    bias = "none" if plain else draw(st.sampled_from(("none", "none", *CE_BIASES[1:])))
+    # a softcap before a tensor temperature is skipped (the temperature cannot be folded into h): not drawn
+    tensor_t = temperature in ("tensor", "tensor_grad")
+    softcap = 0.0 if plain or tensor_t else draw(st.sampled_from([0.0, 0.0, 0.0, 1.5, 5.0]))
+    linear = draw(st.sampled_from(CE_LINEARS))
+    autocast_ok = autocast_ok and linear != "verl_matmul"  # autocast would run verl's fp32 product in bf16
     return CESpec(
         head=head,
-        linear=draw(st.sampled_from(CE_LINEARS)),
+        linear=linear,
         temperature=temperature,
         t=t,
         cast_float=draw(st.booleans()),
@@ -464,6 +497,8 @@ def ce_specs(
         ignore_index=draw(st.sampled_from([-100, -100, -1, 0])),
         autocast=autocast_ok and draw(st.integers(0, 4)) == 0,
         chunk=draw(st.sampled_from([1, 2, 3, 4, 7, 64])),
+        bias=bias,
+        softcap=softcap,
     )
 
 
@@ -547,6 +582,7 @@ class AttnSpec:
     pad_long: bool = False  # the padding mask is int64 (0 / 1), read through .bool()
     docs: str | None = None  # "input" (doc ids) or "from_pos" (HF's find_packed_sequence_indices)
     chunk: int | None = None  # chunked local attention: c = arange(N) // chunk per token, c_q == c_kv
+    chunk_overlay: bool = False  # chunks as HF's chunked_overlay spells them: after each row's left padding
     indexing: str = "broadcast"  # per-token tensors read as t[:, None, :, None] or t[b_idx, q_idx] (HF)
     frame: str = "4d"  # index atoms as [N, N] ("2d") or [1, 1, N, N] ("4d")
     combine: str = "&"
@@ -582,7 +618,7 @@ class AttnSpec:
         if self.docs:
             parts.append(f"docs({self.docs})")
         if self.chunk is not None:
-            parts.append("chunks")
+            parts.append("chunks(overlay)" if self.chunk_overlay else "chunks")
         return "+".join(parts)
 
     @property
@@ -597,6 +633,13 @@ class AttnSpec:
         if self.near_miss == "random":
             names.append("rmask")
         return tuple(names)
+
+
+def _left_pads(pad: torch.Tensor | None, b: int, device) -> torch.Tensor:
+    """[B] each row's leading padding tokens, as HF's create_chunked_causal_mask counts them (zeros without padding)."""
+    if pad is None:
+        return torch.zeros(b, dtype=torch.long, device=device)
+    return (pad.cumsum(dim=-1) == torch.zeros_like(pad, dtype=torch.long)).sum(dim=-1)
 
 
 def _bhqk(b: int, n: int, heads: int, device) -> tuple[torch.Tensor, ...]:
@@ -623,6 +666,7 @@ class Attention(nn.Module):
         self.reference = False
         self.probe: torch.Generator | None = None  # the reference's noise probe (see add_rounding)
         self.bounds: dict[str, float] = {}  # what the probe's noise can add at most to the q / kv grads, by name
+        self.out_unit = 0.0  # the unit rounding of the run's out, which the op's δ = rowsum(do ⊙ out) reads
 
     def forward(self, x, pad=None, doc=None, pos=None, rmask=None) -> tuple:
         if self.spec.checkpoint == "all" and not self.reference:
@@ -660,12 +704,14 @@ class Attention(nn.Module):
         """Adds to dq and dk the rounding an fp32 flash-style backward puts in ds, as random-signed noise.
 
         ds_ij = p_ij (dp_ij - δ_i) with dp_ij = do_i·v_j; the op takes δ_i = do_i·out_i (not Σ_j p_ij dp_ij, which
-        cancels exactly on a row with one allowed key, as eager's and fp64's dq and dk do there), so ds_ij carries
-        rounding up to eps·p_ij·(|do_i|·|v_j| + |do_i|·|out_i|), which reaches dq = scale·ds·k and dk = scale·dsᵀ·q.
+        cancels exactly on a row with one allowed key, as eager's and fp64's dq and dk do there) with out as stored,
+        rounded to the run's dtype (``out_unit``; flash does the same), so ds_ij carries rounding up to
+        p_ij·(eps·|do_i|·|v_j| + out_unit·|do_i|·|out_i|), which reaches dq = scale·ds·k and dk = scale·dsᵀ·q.
         Run on the float64 reference, the probe shows what that noise becomes in every grad it flows into (see
         tests/test_fuzz.py, attention_probe); ``bounds`` gets what it adds at most to this layer's q / kv grads (where
         random signs can cancel in a sum over few tokens)."""
         s, gen, unit = self.spec, self.probe, torch.finfo(torch.float32).eps
+        out_unit = max(unit, self.out_unit)
         scale = s.scale if s.scale is not None else s.head_dim**-0.5
         group = s.heads // s.kv_heads
         qd, od = q.detach(), out.detach()
@@ -675,7 +721,7 @@ class Attention(nn.Module):
         noise = {}
 
         def on_out(g: torch.Tensor) -> None:
-            size = g.abs() @ vd.abs().transpose(-1, -2) + (g.abs() * od.abs()).sum(-1, keepdim=True)
+            size = g.abs() @ vd.abs().transpose(-1, -2) + (g.abs() * od.abs()).sum(-1, keepdim=True) * out_unit / unit
             sign = torch.randint(0, 2, size.shape, generator=gen, dtype=size.dtype) * 2 - 1
             ds = unit * p * size
 
@@ -787,7 +833,11 @@ class Attention(nn.Module):
             d = doc if s.docs == "input" else _packed_sequence_indices(pos)
             dq, dk = self.tokens(d, b, n, device)
             atoms.append(dq == dk)
-        if s.chunk is not None:
+        if s.chunk is not None and s.chunk_overlay:  # (kv - lp[b]) // C == (q - lp[b]) // C, HF's spelling
+            bi, _, qi, ki = _bhqk(b, n, 1, device)
+            lp = _left_pads(pad, b, device)
+            atoms.append((ki - lp[bi]) // s.chunk == (qi - lp[bi]) // s.chunk)
+        elif s.chunk is not None:
             c = torch.arange(n, device=device) // s.chunk
             if s.indexing == "gather":
                 _, _, qi, ki = _bhqk(b, n, 1, device)
@@ -829,7 +879,9 @@ class Attention(nn.Module):
             packed = doc if s.docs == "input" else MU.find_packed_sequence_indices(pos)
             if packed is not None:  # None: eager found one document per row (no constraint)
                 fn = MU.and_masks(fn, MU.packed_sequence_mask_function(packed))
-        if s.chunk is not None:
+        if s.chunk is not None and s.chunk_overlay:
+            fn = MU.and_masks(fn, MU.chunked_overlay(s.chunk, _left_pads(pad, b, device)))
+        elif s.chunk is not None:
             c = torch.arange(n, device=device) // s.chunk
             fn = MU.and_masks(fn, lambda bi, hi, qi, ki: c[qi] == c[ki])
         if s.near_miss == "or":  # an attention sink
@@ -948,6 +1000,7 @@ def attn_specs(draw, *, near_miss: str | None = None) -> AttnSpec:
         pad_long=draw(st.booleans()),
         docs=docs,
         chunk=chunk,
+        chunk_overlay=chunk is not None and builder != "hf_vmap" and draw(st.booleans()),
         indexing=draw(st.sampled_from(["broadcast", "gather"])),
         frame=draw(st.sampled_from(["2d", "4d"])),
         combine=draw(st.sampled_from(ATTN_COMBINE)),

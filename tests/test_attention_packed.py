@@ -305,6 +305,75 @@ def test_whole_rows_take_the_whole_row_kernel(emulated_flash, monkeypatch):
     assert calls == ["rows", "varlen"] and torch.allclose(out, ref)
 
 
+def test_whole_rows_fall_back_to_flash_where_cudnn_raises(emulated_flash, monkeypatch):
+    """Where cuDNN's attention is taken (CUDA half precision, no window) and raises, flash over whole rows serves
+    (once warned), forward and backward, with the same result; the next call does not try cuDNN again."""
+    tried = []
+
+    def broken(*a, **k):
+        tried.append("cudnn")
+        raise RuntimeError("cuDNN: no engine for this graph")
+
+    monkeypatch.setattr(K, "_CUDNN_OK", [True])
+    monkeypatch.setattr(K, "cudnn_rows_supported", lambda q, v, hi: K._CUDNN_OK[0] and hi is None)
+    monkeypatch.setattr(K, "cudnn_rows_fwd", broken)
+    monkeypatch.setattr(K, "cudnn_rows_bwd", broken)
+    valid = torch.ones(2, 17, dtype=torch.long)
+    q = torch.randn(2, 4, 17, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 17, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    plan = OA.attention_plan(None, None, valid, 0, None)
+    with pytest.warns(UserWarning, match="cuDNN attention failed .* flash serves instead"):
+        out, _ = torch.ops.tilecompile.masked_attention(q, k, v, None, None, valid, 0, None, 0.3, plan)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert tried == ["cudnn"]
+    ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = K.reference(*ref_in, None, None, valid, 0, None, 0.3)
+    ref_grads = torch.autograd.grad(ref, ref_in, torch.ones_like(ref))
+    for a, r in zip((out, *grads), (ref, *ref_grads)):
+        assert torch.allclose(a, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hkv", [2, 8])
+@pytest.mark.parametrize("lo", [0, None], ids=["causal", "bidirectional"])
+def test_cuda_whole_rows_take_cudnn(hkv, lo, monkeypatch):
+    """An all-ones mask on CUDA runs cuDNN's attention (what SDPA's is_causal runs on the H200), GQA's key heads
+    repeated for it: out, lse and grads within eager SDPA's error of float64, out and grads token-major as the fake
+    kernels say, and its lse equal to flash's (a cuDNN backward that fails falls back to flash's, reading it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    calls = []
+    for name in ("cudnn_rows_fwd", "cudnn_rows_bwd"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    torch.manual_seed(0)
+    b, n, h, d = 2, 1000, 8, 64
+    q = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    k, v = (
+        torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in "kv"
+    )
+    valid = torch.ones(b, n, dtype=torch.long, device="cuda")
+    plan = OA.attention_plan(None, None, valid, lo, None)
+    out, lse = torch.ops.tilecompile.masked_attention(q, k, v, None, None, valid, lo, None, d**-0.5, plan)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    assert calls == ["cudnn_rows_fwd", "cudnn_rows_bwd"] and K._CUDNN_OK[0]
+    for label, t, like in zip(("out", "dq", "dk", "dv"), (out, *grads), (q, q, k, v)):
+        assert t.stride() == K.token_major(like, *like.shape).stride(), (label, t.stride())
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = K.reference(*ref_in, None, None, valid, lo, None, d**-0.5)
+    ref_grads = torch.autograd.grad(ref, ref_in, g.double())
+    e_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    eager = K.reference(*e_in, None, None, valid, lo, None, d**-0.5)
+    eager_grads = torch.autograd.grad(eager, e_in, g)
+    for label, a, e, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (eager, *eager_grads), (ref, *ref_grads)):
+        ours, theirs = (a.double() - r).norm().item(), (e.double() - r).norm().item()
+        assert torch.isfinite(a).all() and ours <= 1.5 * theirs + 1e-6, (label, ours, theirs)
+    rows = [K._rows4(x) for x in (q, k, v)]
+    _, flash_lse = K.flash_dense_fwd(*rows, lo == 0, -1, 0 if lo == 0 else -1, d**-0.5)
+    assert torch.allclose(lse, flash_lse, atol=1e-3, rtol=0), (lse - flash_lse).abs().max().item()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "valid",
@@ -315,6 +384,7 @@ def test_whole_rows_take_the_whole_row_kernel(emulated_flash, monkeypatch):
     ],
     ids=["one right pad a row (max_q 1, GQA)", "every token padding", "one token a row"],
 )
+@pytest.mark.filterwarnings("error:tilecompile:UserWarning")  # no kernel falls back: each shape is taken as it is
 def test_cuda_flash_path_edge_cases(valid):
     """Shapes the kernels treat apart (found by reading FA2's launcher): one query per call-2 segment with GQA,
     no real token at all, one token a row; values and grads as float64's, at eager's error."""

@@ -339,6 +339,81 @@ def test_repeated_key_heads_are_read_through(spelling):
     assert ("GQA 4/2 heads, repeat_kv read through" in details[0]) is read, details
 
 
+def _hf_chunked(x, pad, chunk=4, overlay=None):
+    """HF's chunked local attention mask (Llama 4's ``create_chunked_causal_mask``, broadcast path): chunks start
+    after each row's left padding, ``(kv - lp[b]) // C == (q - lp[b]) // C``, causal, padding keys out."""
+    import transformers.masking_utils as MU
+
+    lp = (pad.cumsum(dim=-1) == torch.zeros_like(pad)).sum(dim=-1)
+    fn = (
+        MU.and_masks(overlay(chunk, lp), MU.causal_mask_function)
+        if overlay
+        else MU.chunked_causal_mask_function(chunk, lp)
+    )
+    b, n = pad.shape
+    return MU.sdpa_mask(
+        batch_size=b, q_length=n, kv_length=n, mask_function=fn, attention_mask=pad.bool(),
+        allow_is_causal_skip=False, use_vmap=False,
+    )  # fmt: skip
+
+
+def _shifted_chunks(chunk, lp):  # (kv - lp) // C == (q - lp + 1) // C: not one chunking of the index
+    return lambda b, h, q, kv: (kv - lp[b]) // chunk == (q - lp[b] + 1) // chunk
+
+
+def _chunks_of_two_divisors(chunk, lp):
+    return lambda b, h, q, kv: (kv - lp[b]) // chunk == (q - lp[b]) // (chunk + 1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_hf_chunked_local_attention(chunk, dynamic):
+    """HF's ``chunked_overlay`` (floor division of the index less each row's left padding) becomes masked_attention
+    with the chunk ids as documents, made once per graph: values and grads as eager (float64) at every position,
+    left- and right-padded rows, and a second length on the same compile under dynamic shapes."""
+    torch.manual_seed(0)
+    model = Attn().double()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(lambda m, x, pad: m(x, _hf_chunked(x, pad, chunk)), backend="tilecompile",
+                             options=compile_options(), dynamic=dynamic)  # fmt: skip
+    for n in (19, 23) if dynamic else (19,):
+        x = torch.randn(3, n, 32, dtype=torch.float64, requires_grad=True)
+        pad = torch.ones(3, n, dtype=torch.long)
+        pad[0, :5] = 0
+        pad[1, n - 6 :] = 0
+        out = compiled(model, x, pad)
+        x_ref = x.detach().clone().requires_grad_()
+        expected = ref(x_ref, _hf_chunked(x_ref, pad, chunk))
+        assert_close(out, expected, rtol=1e-10, atol=1e-12, name=f"out (n={n})")
+        g = torch.randn_like(out)
+        out.backward(g)
+        expected.backward(g)
+        assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12, name=f"x.grad (n={n})")
+        assert_grads_close(model, ref, rtol=1e-10, atol=1e-12)
+        model.zero_grad(), ref.zero_grad()
+    details = _details(tilecompile.report())
+    assert details and all(f"same chunk (index - lp[b]) // {chunk}" in d for d in details), details
+
+
+@pytest.mark.parametrize(
+    "overlay,reason",
+    [(_shifted_chunks, "other than the query's and key's index"), (_chunks_of_two_divisors, "same divisor")],
+    ids=["shifted", "two-divisors"],
+)
+def test_hf_chunked_near_misses_are_left_alone(overlay, reason):
+    torch.manual_seed(0)
+    model = Attn().double()
+    x = torch.randn(2, 13, 32, dtype=torch.float64)
+    pad = torch.ones(2, 13, dtype=torch.long)
+    pad[0, :3] = 0
+    fn = lambda m, x, pad: m(x, _hf_chunked(x, pad, 4, overlay))  # noqa: E731
+    out = torch.compile(fn, backend="tilecompile", options=compile_options())(model, x, pad)
+    assert_close(out, fn(model, x, pad), rtol=1e-10, atol=1e-12, name="out")
+    report = tilecompile.report()
+    skipped = [s.reason for s in report.skipped if s.pass_name == "attention"]
+    assert report.counts["attention"] == 0 and skipped and reason in skipped[0], skipped
+
+
 @pytest.mark.parametrize(
     "build,reason",
     [

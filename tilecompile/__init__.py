@@ -4,8 +4,9 @@
 ``torch_dynamo_backends`` entry point). Import it for ``report()``, ``reset()``, ``parallelize()`` and the fused ops.
 """
 
+from tilecompile.distributed import LossHead
 from tilecompile.parallel import parallelize
 from tilecompile.reporting import Report, report, reset
 
-__all__ = ["Report", "parallelize", "report", "reset"]
+__all__ = ["LossHead", "Report", "parallelize", "report", "reset"]
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import config, dynamo_compat
+from tilecompile import config, distributed, dynamo_compat, graph_breaks
 from tilecompile import reporting as R
 from tilecompile.pipeline import run_passes
 
@@ -26,6 +26,7 @@ log = logging.getLogger("tilecompile")
 # loaded by torch.compile(backend="tilecompile") before Dynamo traces: a failing import in the traced code raises
 # ImportError there instead of breaking the graph (OpenRLHF's optional flash_attn import)
 dynamo_compat.install()
+distributed.install()  # a compiled DDP module: the passes see the whole graph before DDP's bucket split
 _LEVELS = {"warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 
 
@@ -46,8 +47,22 @@ def tilecompile_backend(
         R.count_graph()
         graph_name = f"graph {R.report().graphs}"
         _specialize_floats(gm, settings.strict)
-        gm = run_passes(gm, settings, graph_name)
-        return _inner_compile(gm, example_inputs, settings.inner, mode, inductor_options)
+        with R.graph_scope(graph_name):
+            gm = run_passes(gm, settings, graph_name)
+            _note_graph_breaks(gm, settings)
+        compiled = _inner_compile(gm, example_inputs, settings.inner, mode, inductor_options)
+        return R.serving(graph_name, gm, compiled)  # the report counts the modules this graph serves
+
+
+def _note_graph_breaks(gm: fx.GraphModule, settings: config.Settings) -> None:
+    """Reports the regions a graph break split (logits or a mask crossing into another graph); never fails a
+    compile (it only reads the graph)."""
+    try:
+        notes = [s for s in graph_breaks.notes(gm) if settings.pass_enabled(s.pass_name)]
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not stop the compile
+        log.warning("could not look for graph breaks in the rewritten graph: %s: %s", type(exc).__name__, exc)
+        return
+    R.record(skipped=notes)
 
 
 def _configure_logging(level: str) -> None:

@@ -27,6 +27,7 @@ class _Spec:
 
 _SPECS: dict[str, _Spec] = {
     # passes: each 1 (on) or 0 (off)
+    "canonical": _Spec(bool, True, "x + 0.0, x * 1.0, torch.min(a, b), linear autograd.Functions -> what they compute"),
     "tensor_parallel": _Spec(bool, True, "lower tilecompile.parallelize() annotations to collectives"),
     "attention": _Spec(bool, True, "SDPA fed an [N, N] mask built from positions -> is_causal / masked attention"),
     "fused_linear_ce": _Spec(bool, True, "lm_head -> log-prob / entropy / cross-entropy -> one fused op"),
@@ -60,6 +61,8 @@ _SPECS: dict[str, _Spec] = {
     "check_inputs": _Spec(bool, False, "validate labels on CUDA (costs a host sync per call)"),
     # Dynamo: a failing import inside compiled code raises ImportError there, as in Python (dynamo_compat.py)
     "trace_import_errors": _Spec(bool, True, "a failing import in compiled code raises ImportError in the graph"),
+    # DDP (optimize_ddp's graph split at bucket boundaries): the passes see the whole graph, then it is split
+    "ddp_split_after_passes": _Spec(bool, True, "under DDP, rewrite the whole graph before DDP's bucket split"),
 }
 
 _ALIASES = {f"TILECOMPILE_{name.upper()}": name for name in _SPECS}
@@ -98,6 +101,7 @@ def _parse(name: str, raw: Any, source: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
+    canonical: bool
     tensor_parallel: bool
     attention: bool
     fused_linear_ce: bool
@@ -115,6 +119,7 @@ class Settings:
     ce_loss_grad_compile: str
     check_inputs: bool
     trace_import_errors: bool
+    ddp_split_after_passes: bool
 
     def pass_enabled(self, pass_name: str) -> bool:
         return bool(getattr(self, pass_name))

@@ -35,7 +35,8 @@ import difflib
 import fnmatch
 import functools
 import re
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,14 @@ from tilecompile.ops import collectives
 STYLES = ("colwise", "rowwise", "packed_colwise", "vocab_colwise")
 _ATTR = "_tilecompile_shard"
 _MODEL_ATTR = "_tilecompile_parallel"
+_PARALLELIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models parallelize() sharded, while alive
+_FSDP_HINT = (
+    "tilecompile.parallelize does not compose with FSDP2 (fully_shard): FSDP2 replaces every parameter by a DTensor "
+    "(and, in the forward, by a fresh unsharded tensor), so the shard records the tensor_parallel pass reads are "
+    "lost and the model would run on its shards without the collectives: a wrong loss. For data parallelism over "
+    "tilecompile.parallelize, wrap the model in DDP across the tensor-parallel groups (each DDP group holds one "
+    "tensor-parallel rank of every group); or shard with FSDP2 alone"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +94,73 @@ def spec_of(t: object) -> ShardSpec | None:
 
 def info_of(model: torch.nn.Module) -> ParallelInfo | None:
     return getattr(model, _MODEL_ATTR, None)
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+def _check_not_fsdp(model: torch.nn.Module) -> None:
+    """``parallelize`` after ``fully_shard`` (or after torch's own DTensor ``parallelize_module``) is refused."""
+    dtensor = _dtensor_type()
+    for name, p in model.named_parameters():
+        if dtensor is not None and isinstance(p, dtensor):
+            raise PlanError(
+                f"{name} is a DTensor: the model was sharded before (fully_shard / FSDP2, or torch's "
+                f"parallelize_module). {_FSDP_HINT}"
+            )
+
+
+def lost_shards(model: torch.nn.Module) -> list[str]:
+    """FQNs of parameters ``parallelize`` sharded in ``model`` that no longer carry their ShardSpec (a parameter
+    swapped for another tensor since: FSDP2's DTensors, its unsharded parameters in the forward)."""
+    info = info_of(model)
+    if info is None:
+        return []
+    lost = []
+    for fqn in info.params:
+        try:
+            p = model.get_parameter(fqn)
+        except AttributeError:
+            lost.append(fqn)
+            continue
+        if spec_of(p) is None:
+            lost.append(fqn)
+    return lost
+
+
+def check_shards_intact(graph_params: Iterable[torch.Tensor]) -> str | None:
+    """Why a graph over ``graph_params`` (the parameters its placeholders hold) must not compile: it reads a model
+    that ``parallelize`` sharded but whose parameters lost their shard records since (FSDP2 applied after
+    ``parallelize``); None when all is well."""
+    ids = {id(p) for p in graph_params}
+    if not ids:
+        return None
+    for model in list(_PARALLELIZED):
+        if not any(id(p) in ids for p in model.parameters()):
+            continue
+        lost = lost_shards(model)
+        if lost:
+            by = "by fully_shard (FSDP2)" if _is_fsdp(model) else "by other tensors"
+            return (
+                f"{len(lost)} parameter(s) tilecompile.parallelize sharded in {type(model).__name__} "
+                f"({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}) were replaced {by} after parallelize and "
+                f"lost their shard records. {_FSDP_HINT}"
+            )
+    return None
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    """``fully_shard`` was applied to ``model`` or one of its modules (or to a module holding it)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _heads_module(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
@@ -202,6 +278,7 @@ def parallelize(
         raise PlanError("this model is already parallelized (tilecompile.parallelize was called on it before)")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("tilecompile.parallelize needs torch.distributed initialized (init_process_group)")
+    _check_not_fsdp(model)
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     group_name = group.group_name
@@ -282,7 +359,11 @@ def parallelize(
         if isinstance(mod, torch.nn.Embedding) and spec_of(mod.weight) is not None:
             mod.num_embeddings = mod.weight.shape[0]
     setattr(model, _MODEL_ATTR, ParallelInfo(dict(plan), group_name, world, rank, sequence_parallel, params))
+    _PARALLELIZED.add(model)
     return model
 
 
-__all__ = ["STYLES", "ParallelInfo", "PlanError", "ShardSpec", "info_of", "parallelize", "spec_of"]
+__all__ = [
+    "STYLES", "ParallelInfo", "PlanError", "ShardSpec", "check_shards_intact", "info_of", "lost_shards",
+    "parallelize", "spec_of",
+]  # fmt: skip

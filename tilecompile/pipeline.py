@@ -27,7 +27,8 @@ from tilecompile.ops import own_autograd
 
 log = logging.getLogger("tilecompile")
 
-PASS_ORDER = ("tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp")
+# canonical first: it rewrites spellings that hide a value (x + 0.0, torch.min(a, b), a linear autograd.Function)
+PASS_ORDER = ("canonical", "tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp")
 _EXPECTED = "tilecompile_expected"
 
 

@@ -1,4 +1,10 @@
-"""What the passes rewrote and skipped, across every graph compiled since the last ``tilecompile.reset()``."""
+"""What the passes rewrote and skipped, across every graph compiled since the last ``tilecompile.reset()``.
+
+Counts are of modules, not graphs: one compiled graph often serves many modules (Dynamo reuses a decoder layer's
+graph for every layer of the same class, as under per-block compile or FSDP2's per-layer graph breaks). Each graph's
+compiled function notes the distinct parameter tensors it runs with (``serving``), and a rewrite in that graph
+counts once per module it served: one graph of 28 layers counts 28 MLPs, and its row says so.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import contextlib
 import dataclasses
 import threading
 from typing import Any
+
+import torch
 
 PASS_NAMES = ("tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp")
 
@@ -19,6 +27,7 @@ class Rewrite:
     shapes: dict[str, tuple] = dataclasses.field(default_factory=dict)
     dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
     detail: str = ""
+    graph: str = ""  # the graph it was made in (set by ``graph_scope``)
 
 
 @dataclasses.dataclass
@@ -41,29 +50,35 @@ class Failure:
 
 
 class Report:
-    """``counts`` (pass -> regions rewritten), ``rewrites``, ``skipped`` and ``failures``."""
+    """``counts`` (pass -> modules rewritten), ``rewrites``, ``skipped`` and ``failures``; ``modules(r)`` says how
+    many modules the graph of rewrite ``r`` served (1 until it ran, or when it holds no parameters)."""
 
     def __init__(self) -> None:
         self.rewrites: list[Rewrite] = []
         self.skipped: list[Skip] = []
         self.failures: list[Failure] = []
         self.graphs = 0
+        self.served: dict[str, int] = {}  # graph -> distinct parameter sets it ran with
+
+    def modules(self, rewrite: Rewrite) -> int:
+        return max(1, self.served.get(rewrite.graph, 0))
 
     @property
     def counts(self) -> dict[str, int]:
         counts = dict.fromkeys(PASS_NAMES, 0)
         for r in self.rewrites:
-            counts[r.pass_name] = counts.get(r.pass_name, 0) + 1
+            counts[r.pass_name] = counts.get(r.pass_name, 0) + self.modules(r)
         return counts
 
     def snapshot(self) -> Report:
         copy = Report()
         copy.rewrites, copy.skipped, copy.failures = list(self.rewrites), list(self.skipped), list(self.failures)
         copy.graphs = self.graphs
+        copy.served = {g: len(ids) for g, ids in _served.items()} if self is _current else dict(self.served)
         return copy
 
     def __str__(self) -> str:
-        lines = [f"tilecompile report: {self.graphs} graph(s) compiled"]
+        lines = [f"tilecompile report: {self.graphs} graph(s) compiled; modules rewritten:"]
         lines.append("  " + "  ".join(f"{k}={v}" for k, v in self.counts.items()))
         if self.rewrites:
             lines.append("rewritten:")
@@ -71,7 +86,9 @@ class Report:
             for r in self.rewrites:
                 shapes = " ".join(f"{k}={_dims(v)}" for k, v in r.shapes.items())
                 dtypes = " ".join(f"{k}={str(v).removeprefix('torch.')}" for k, v in r.dtypes.items())
-                rows.append((r.pass_name, r.module_path or "<root>", shapes, dtypes, r.detail))
+                path, n = r.module_path or "<root>", self.modules(r)
+                path += f" (x{n}: one {r.graph or 'graph'} served {n} modules)" if n > 1 else ""
+                rows.append((r.pass_name, path, shapes, dtypes, r.detail))
             lines += _table(rows)
         if self.skipped:
             lines.append("skipped:")
@@ -97,10 +114,16 @@ def _table(rows: list[tuple[Any, ...]]) -> list[str]:
 
 _lock = threading.Lock()
 _current = Report()
+_served: dict[str, set[int]] = {}  # graph name -> ids of the first parameter of each call (the live report's)
+_graph: list[str] = []  # the graph being compiled (``graph_scope``), innermost last
+_MAX_SERVED = 4096  # a graph fed fresh parameter tensors every call stops being counted here
 
 
 def record(rewrites: list[Rewrite] = (), skipped: list[Skip] = (), failures: list[Failure] = ()) -> None:
     with _lock:
+        if _graph:
+            for r in rewrites:
+                r.graph = r.graph or _graph[-1]
         _current.rewrites.extend(rewrites)
         _current.skipped.extend(skipped)
         _current.failures.extend(failures)
@@ -123,6 +146,53 @@ def discarded_on(exc_type: type[BaseException]):
         raise
 
 
+@contextlib.contextmanager
+def graph_scope(name: str):
+    """Rewrites recorded inside belong to graph ``name`` (their module count is that graph's)."""
+    _graph.append(name)
+    try:
+        yield
+    finally:
+        _graph.pop()
+
+
+def serving(name: str, gm: Any, compiled: Any) -> Any:
+    """``compiled`` (graph ``name``'s compiled function), noting the distinct parameter sets it is called with.
+
+    The key of a call is its first parameter input (what Dynamo lifted from the module: the same tensor object on
+    every step, FSDP2's unsharded parameters included). A graph with no parameter inputs is left as it is.
+    """
+    index = _first_param_index(gm)
+    if index is None or not callable(compiled):
+        return compiled
+    # the boxed calling convention (Dynamo hands over one list of inputs)
+    boxed = type(gm).__name__ == "GmWrapper" or bool(getattr(compiled, "_boxed_call", False))
+    seen = _served.setdefault(name, set())
+
+    def run(*args: Any) -> Any:
+        inputs = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
+        if len(seen) < _MAX_SERVED and index < len(inputs):
+            seen.add(id(inputs[index]))
+        return compiled(*args)
+
+    for attr in ("_boxed_call", "zero_grad"):
+        if hasattr(compiled, attr):
+            setattr(run, attr, getattr(compiled, attr))
+    return run
+
+
+def _first_param_index(gm: Any) -> int | None:
+    graph = getattr(gm, "graph", None)
+    if graph is None:
+        return None
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        arg = node.meta.get("grapharg")
+        if isinstance(getattr(arg, "example", None), torch.nn.Parameter):
+            return i
+    return None
+
+
 def count_graph() -> None:
     with _lock:
         _current.graphs += 1
@@ -136,6 +206,7 @@ def report() -> Report:
 
 def reset() -> None:
     """Clear the report."""
-    global _current
+    global _current, _served
     with _lock:
         _current = Report()
+        _served = {}

@@ -7,6 +7,12 @@ or not), both fp32 with labels' shape; ``entropy`` is an empty [0] tensor when w
 Differentiable in h and weight.
 ``vocab_chunk``: vocabulary columns per chunk (0: automatic; -1: the TILECOMPILE_CE_VOCAB_CHUNK setting).
 
+``torch.ops.tilecompile.fused_linear_logprob_ext(..., vocab_chunk, bias=None, softcap=0.0, with_lse=False,
+with_zsum=False, with_argmax=False) -> (logp, entropy, lse, zsum, argmax)``: the same with z = softcap(h·Wᵀ + b) / t
+(softcap(u) = c·tanh(u / c); 0: none) and per-row extras of the same pass (each an empty [0] tensor unless asked):
+lse = logsumexp(z) (z-loss), zsum = Σ_j z_j (label smoothing), argmax_j z_j (int64; token accuracy; not
+differentiable). Differentiable in h, weight and bias.
+
 How it is built: the public op is a CompositeImplicitAutograd op with exactly that schema that validates shapes,
 dtypes and temperature (all static, so it traces) and calls ``tilecompile::_fused_linear_logprob_forward``, a
 ``torch.library.custom_op`` that also returns per-row statistics of the logits (max and log Σ e^(z - max), whose
@@ -284,6 +290,183 @@ def _fused_linear_logprob(
 _lib.impl("fused_linear_logprob", _fused_linear_logprob, "CompositeImplicitAutograd")
 
 
+# ------------------------------------------------------------------------------- options: bias, softcap, extras
+
+_lib.define(
+    "fused_linear_logprob_ext(Tensor h, Tensor weight, Tensor labels, float temperature=1.0, int ignore_index=-100, "
+    "bool with_entropy=True, bool check_inputs=False, int vocab_chunk=-1, Tensor? bias=None, float softcap=0.0, "
+    "bool with_lse=False, bool with_zsum=False, bool with_argmax=False) "
+    "-> (Tensor logp, Tensor entropy, Tensor lse, Tensor zsum, Tensor argmax)"
+)
+
+
+def _check_options(weight: torch.Tensor, bias: torch.Tensor | None, softcap: float) -> None:
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be a finite Python float (0: none), got {softcap!r}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be > 0 (or 0: none), got {softcap}")
+    if bias is not None:
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+        if bias.dtype not in _FLOAT_DTYPES or bias.device != weight.device:
+            raise ValueError(
+                f"bias dtype/device {bias.dtype}/{bias.device} not float16/bfloat16/float32 on the weight's"
+            )
+
+
+@torch.library.custom_op("tilecompile::_fused_linear_logprob_forward_ext", mutates_args=())
+def _fused_linear_logprob_forward_ext(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    check_inputs: bool,
+    vocab_chunk: int,
+    bias: torch.Tensor | None,
+    softcap: float,
+    with_lse: bool,
+    with_zsum: bool,
+    with_argmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy, stats, lse, zsum, argmax): ``_fused_linear_logprob_forward``'s three and the extras asked
+    for (an empty [0] tensor each one not asked for); lse, zsum fp32 and argmax int64 with labels' shape."""
+    _check_static(h, weight, labels, temperature)
+    _check_options(weight, bias, softcap)
+    if not h.is_cuda or check_inputs:
+        _check_labels(labels, weight.shape[0], ignore_index)
+    h2, labels1 = _flat(h, labels)
+    shape = labels.shape
+    logp, ent, stats, extras = K.fused_linear_logprob_fwd_ext(
+        h2, weight, labels1, 1.0 / float(temperature), ignore_index, with_entropy, chunk=_vocab_chunk(vocab_chunk),
+        bias=bias, softcap=float(softcap), all_rows=with_lse, with_zsum=with_zsum, with_argmax=with_argmax,
+    )  # fmt: skip
+    empty = h.new_empty(0, dtype=torch.float32)
+    lse = (stats[:, 0] + stats[:, 1]).reshape(shape) if with_lse else empty
+    zsum = extras.zsum.reshape(shape) if with_zsum else empty.clone()
+    amax = extras.argmax.reshape(shape) if with_argmax else h.new_empty(0, dtype=torch.int64)
+    ent_out = ent.reshape(shape) if ent is not None else empty.clone()
+    return logp.reshape(shape), ent_out, stats.reshape(*shape, 2), lse, zsum, amax
+
+
+@_fused_linear_logprob_forward_ext.register_fake
+def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, vocab_chunk, bias, softcap, with_lse,
+      with_zsum, with_argmax):  # fmt: skip
+    _check_static(h, weight, labels, temperature)
+    _check_options(weight, bias, softcap)
+
+    def rows(on: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return labels.new_empty(labels.shape if on else (0,), dtype=dtype)
+
+    stats = labels.new_empty((*labels.shape, 2), dtype=torch.float32)
+    return rows(True), rows(with_entropy), stats, rows(with_lse), rows(with_zsum), rows(with_argmax, torch.int64)
+
+
+@torch.library.custom_op("tilecompile::fused_linear_logprob_backward_ext", mutates_args=())
+def fused_linear_logprob_backward_ext(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    stats: torch.Tensor,
+    entropy: torch.Tensor,
+    bias: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    grad_zsum: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    softcap: float,
+    need_grad_h: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+    vocab_chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_h, grad_weight, grad_bias) of ``fused_linear_logprob_ext``; an empty [0] tensor for a grad not needed."""
+
+    def flat(g: torch.Tensor | None) -> torch.Tensor | None:
+        return g.reshape(-1).float().contiguous() if g is not None else None
+
+    h2, labels1 = _flat(h, labels)
+    gent = flat(grad_entropy)
+    dh, dw, db = K.fused_linear_logprob_bwd_ext(
+        h2, weight, labels1, stats.reshape(-1, 2).contiguous(), entropy.reshape(-1).contiguous() if gent is not None
+        else None, flat(grad_logp), gent, 1.0 / float(temperature), ignore_index, need_grad_h, need_grad_weight,
+        chunk=_vocab_chunk(vocab_chunk), bias=bias, softcap=float(softcap), grad_lse=flat(grad_lse),
+        grad_zsum=flat(grad_zsum), need_db=need_grad_bias,
+    )  # fmt: skip
+    dh_out = dh.reshape(h.shape) if dh is not None else h.new_empty(0)
+    dw_out = dw if dw is not None else weight.new_empty(0)
+    db_out = db if db is not None else weight.new_empty(0)
+    return dh_out, dw_out, db_out
+
+
+@fused_linear_logprob_backward_ext.register_fake
+def _(h, weight, labels, stats, entropy, bias, grad_logp, grad_entropy, grad_lse, grad_zsum, temperature, ignore_index,
+      softcap, need_grad_h, need_grad_weight, need_grad_bias, vocab_chunk):  # fmt: skip
+    dh = h.new_empty(h.shape) if need_grad_h else h.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_grad_weight else weight.new_empty(0)
+    db = bias.new_empty(bias.shape) if (need_grad_bias and bias is not None) else weight.new_empty(0)
+    return dh, dw, db
+
+
+def _ext_setup_context(ctx, inputs, output):
+    h, weight, labels, temperature, ignore_index, with_entropy, _check, vocab_chunk, bias, softcap = inputs[:10]
+    ctx.with_lse, ctx.with_zsum = inputs[10], inputs[11]
+    _logp, ent, stats, _lse, _zsum, amax = output
+    ctx.mark_non_differentiable(stats, amax)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(h, weight, labels, stats, ent, bias)
+    ctx.args = (float(temperature), int(ignore_index), float(softcap), int(vocab_chunk), bool(with_entropy))
+
+
+def _ext_backward(ctx, grad_logp, grad_ent, _grad_stats, grad_lse, grad_zsum, _grad_argmax):
+    h, weight, labels, stats, ent, bias = ctx.saved_tensors
+    temperature, ignore_index, softcap, vocab_chunk, with_entropy = ctx.args
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_b = bias is not None and ctx.needs_input_grad[8]
+    none = (None,) * 13
+    if not (need_h or need_w or need_b):
+        return none
+    dh, dw, db = torch.ops.tilecompile.fused_linear_logprob_backward_ext(
+        h, weight, labels, stats, ent, bias, grad_logp, grad_ent if with_entropy else None,
+        grad_lse if ctx.with_lse else None, grad_zsum if ctx.with_zsum else None, temperature, ignore_index,
+        softcap, need_h, need_w, need_b, vocab_chunk,
+    )  # fmt: skip
+    return (dh if need_h else None), (dw if need_w else None), *none[:6], (db if need_b else None), *none[:4]
+
+
+_fused_linear_logprob_forward_ext.register_autograd(_ext_backward, setup_context=_ext_setup_context)
+
+
+def _fused_linear_logprob_ext(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool = True,
+    check_inputs: bool = False,
+    vocab_chunk: int = -1,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    with_lse: bool = False,
+    with_zsum: bool = False,
+    with_argmax: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_static(h, weight, labels, temperature)
+    _check_options(weight, bias, softcap)
+    logp, ent, _stats, lse, zsum, amax = torch.ops.tilecompile._fused_linear_logprob_forward_ext(
+        h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), bool(check_inputs),
+        int(vocab_chunk), bias, float(softcap), bool(with_lse), bool(with_zsum), bool(with_argmax),
+    )  # fmt: skip
+    return logp, ent, lse, zsum, amax
+
+
+_lib.impl("fused_linear_logprob_ext", _fused_linear_logprob_ext, "CompositeImplicitAutograd")
+
+
 # ------------------------------------------------------------------------------------------- loss-aware mode
 
 # loss key -> the traced loss function F(logp, entropy, *extras) -> scalar loss S (passes/loss_aware.py builds it
@@ -465,6 +648,7 @@ def fused_linear_logprob_loss(
     loss_key: int,
     block_rows: int = 0,
     grad_backend: str = "eager",
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss-aware mode: (logp, entropy or empty [0], grad_h, grad_weight), not differentiable.
 
@@ -473,8 +657,10 @@ def fused_linear_logprob_loss(
     forward has anyway (3 GEMMs). The pass calls it on detached h and weight and routes the gradient through
     ``loss_anchor``: S + loss_anchor(h, weight, grad_h, grad_weight) is S, and its backward is g·grad_h, g·grad_weight.
     ``grad_backend``: the torch.compile backend that compiles F's per-token gradient ("eager": none).
+    ``softcap``: the logits are softcap·tanh(h·Wᵀ / softcap) / t (0: none), as for ``fused_linear_logprob_ext``.
     """
     _check_static(h, weight, labels, temperature)
+    _check_options(weight, None, softcap)
     if loss_key not in _LOSS_FNS:
         raise RuntimeError(f"tilecompile: no loss function registered under key {loss_key} (compile in this process)")
     if not h.is_cuda or check_inputs:
@@ -483,7 +669,7 @@ def fused_linear_logprob_loss(
     grad_of = _per_token_grads(_LOSS_FNS[loss_key], loss_key, extras, labels.shape, with_entropy, grad_backend)
     logp, ent, _stats, dh, dw = K.fused_linear_logprob_loss_fwd(
         _row_segments(h), weight, labels1, 1.0 / float(temperature), ignore_index, with_entropy, grad_of,
-        block_rows=block_rows,
+        block_rows=block_rows, softcap=float(softcap),
     )  # fmt: skip
     ent_out = ent.reshape(labels.shape) if ent is not None else h.new_empty(0, dtype=torch.float32)
     return logp.reshape(labels.shape), ent_out, dh.reshape(h.shape), dw
@@ -491,8 +677,9 @@ def fused_linear_logprob_loss(
 
 @fused_linear_logprob_loss.register_fake
 def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, extras, loss_key, block_rows=0,
-      grad_backend="eager"):  # fmt: skip
+      grad_backend="eager", softcap=0.0):  # fmt: skip
     _check_static(h, weight, labels, temperature)
+    _check_options(weight, None, softcap)
     logp = labels.new_empty(labels.shape, dtype=torch.float32)
     ent = labels.new_empty(labels.shape if with_entropy else (0,), dtype=torch.float32)
     # contiguous, as the op returns them (empty_like would keep a transposed h's strides)
@@ -646,15 +833,48 @@ def linear_logprob_entropy(
     temperature: float = 1.0,
     ignore_index: int = -100,
     with_entropy: bool = True,
+    *,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-prob of ``labels`` under softmax(h·Wᵀ / t), and the entropy (None if not asked), in fp32.
+    """Per-token log-prob of ``labels`` under softmax(h·Wᵀ / t), and the entropy (None if not asked), in fp32;
+    with ``bias`` / ``softcap``, under softmax(softcap(h·Wᵀ + b) / t).
 
     Label checks on CUDA follow the ``check_inputs`` setting (TILECOMPILE_CHECK_INPUTS; a host sync per call).
     """
+    if bias is not None or softcap:
+        logp, ent, _, _, _ = torch.ops.tilecompile.fused_linear_logprob_ext(
+            h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), config.load().check_inputs,
+            -1, bias, float(softcap),
+        )  # fmt: skip
+        return logp, (ent if with_entropy else None)
     logp, ent = torch.ops.tilecompile.fused_linear_logprob(
         h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), config.load().check_inputs
     )
     return logp, (ent if with_entropy else None)
+
+
+def linear_cross_entropy_z_loss(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    z_loss_scale: float = 0.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over the non-ignored tokens plus ``z_loss_scale`` · mean lse² over the same tokens (the
+    z-loss), with z = softcap(h·Wᵀ + b): (loss, per-token lse), fp32, without the logits."""
+    logp, _, lse, _, _ = torch.ops.tilecompile.fused_linear_logprob_ext(
+        h, weight, labels, 1.0, int(ignore_index), False, config.load().check_inputs, -1, bias, float(softcap), True
+    )
+    active = labels != ignore_index
+    count = active.sum()
+    loss = -logp.sum() / count
+    if z_loss_scale:
+        loss = loss + z_loss_scale * torch.where(active, lse * lse, 0.0).sum() / count
+    return loss, lse
 
 
 def linear_cross_entropy(
@@ -681,4 +901,11 @@ def linear_cross_entropy(
     return total / (labels != ignore_index).sum()
 
 
-__all__ = ["fused_linear_logprob_backward", "linear_cross_entropy", "linear_logprob_entropy", "vocab_parallel_logprob"]
+__all__ = [
+    "fused_linear_logprob_backward",
+    "fused_linear_logprob_backward_ext",
+    "linear_cross_entropy",
+    "linear_cross_entropy_z_loss",
+    "linear_logprob_entropy",
+    "vocab_parallel_logprob",
+]

@@ -1,0 +1,130 @@
+"""Regions a graph break split before the passes could see them whole, named in the report with what to do.
+
+A pass can only rewrite what one graph holds. When Dynamo ends a graph between the lm_head and its log-softmax
+(FSDP2's hooks are ``torch._dynamo.disable``d, so a whole-step compile breaks at every wrapped module; a
+``print``; a library's autograd.Function), the [tokens, vocab] logits are built and cross the break; when the
+attention mask is built in an earlier graph, each layer's graph gets the [B, 1, N, N] mask as an input and runs
+dense masked attention. ``notes(gm)`` looks for the ends of such regions in one graph, after the passes:
+
+- a linear whose output is (a view, cast or scaling of) a graph output, looks like an lm_head (module named
+  ``lm_head`` / ``output`` / ``embed_out``, or out_features >= 8 x in_features) and feeds no softmax here (where
+  one does, ``passes/fused_linear_ce.py`` judges it): the logits leave the graph;
+- a graph input read by log_softmax / logsumexp / softmax / cross-entropy over its last dim: logits enter it;
+- an SDPA whose ``attn_mask`` is a graph input: the mask was built in an earlier graph.
+
+Each becomes a ``Skip`` of the pass that would have rewritten the region, with Dynamo's reason for ending the
+graph where it has one (``gm.compile_subgraph_reason``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from tilecompile import graph as G
+from tilecompile import reporting as R
+
+_HEAD_NAMES = ("lm_head", "output", "embed_out")
+_THROUGH = frozenset({"getitem", "div", "mul", "float", "to", "contiguous", "view", "reshape", "flatten"})
+_SOFTMAX = frozenset({"log_softmax", "logsumexp", "softmax", "cross_entropy"})
+_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+_FIX_HEAD = (
+    "put the lm_head and the loss in one function with no break between them: under FSDP2 wrap the model in "
+    "tilecompile.LossHead(model, loss_fn) and compile that (README, 'FSDP2 and DDP'); elsewhere remove the break "
+    "(TORCH_LOGS=graph_breaks shows it)"
+)
+
+
+def _break_reason(gm: fx.GraphModule) -> str:
+    reason = getattr(getattr(gm, "compile_subgraph_reason", None), "reason", None)
+    if not reason:
+        return ""
+    if str(reason).startswith("return_value"):
+        # a frame compiled on its own: a graph break in a caller (FSDP2's hooks around a call) ended the caller's
+        # graph, so each function's code up to its return is a graph of its own
+        return (
+            " (the graph ends where its function returns: a graph break around the call left the caller's code, "
+            "where the loss is, in another graph)"
+        )
+    return f" (Dynamo ended the graph: {str(reason).splitlines()[0][:160]})"
+
+
+def _source(node: fx.Node, limit: int = 8) -> fx.Node:
+    """Back through slices, casts, views and scalings to what made ``node``."""
+    while limit and node.op in ("call_function", "call_method") and G.op(node) in _THROUGH:
+        args = [a for a in node.args if isinstance(a, fx.Node)]
+        if len(args) != 1:
+            break
+        node, limit = args[0], limit - 1
+    return node
+
+
+def _reaches_softmax(node: fx.Node) -> bool:
+    """A softmax-family op reads ``node`` in this graph: the lm_head pass then judges it (and says why it skips)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user not in seen:
+                if G.op(user) in _SOFTMAX:
+                    return True
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+def _is_head(linear: G.Linear) -> bool:
+    if G.module_path(linear.node).rsplit(".", 1)[-1] in _HEAD_NAMES:
+        return True
+    w = G.shape(linear.weight)
+    out_f, in_f = (G.hint(w[0]), G.hint(w[1])) if w and len(w) == 2 else (None, None)
+    return bool(out_f and in_f and out_f >= 8 * in_f)
+
+
+def notes(gm: fx.GraphModule) -> list[R.Skip]:
+    out: list[R.Skip] = []
+    output = next((n for n in gm.graph.nodes if n.op == "output"), None)
+    returned = [a for a in torch.utils._pytree.tree_leaves(output.args) if isinstance(a, fx.Node)] if output else []
+    seen: set[fx.Node] = set()
+    for node in returned:
+        src = _source(node)
+        linear = G.as_linear(src) if src.op != "placeholder" else None
+        if linear is None or src in seen or not _is_head(linear) or _reaches_softmax(src):
+            continue
+        seen.add(src)
+        shape = G.shape(src)
+        out.append(R.Skip(
+            "fused_linear_ce", "lm_head", G.module_path(src),
+            f"the logits {list(shape) if shape else ''} leave this graph as an output{_break_reason(gm)}: the "
+            f"log-softmax / loss that reads them is in another graph, so they are built whole; {_FIX_HEAD}",
+        ))  # fmt: skip
+    for node in gm.graph.nodes:
+        if G.op(node) in _SOFTMAX and node.args:
+            src = G.graph_input(_source(node.args[0])) if isinstance(node.args[0], fx.Node) else None
+            if src is None or src.op != "placeholder" or src in seen:
+                continue
+            value = getattr(src.meta.get("grapharg"), "example", None)
+            if isinstance(value, torch.nn.Parameter) or len(G.shape(src) or ()) < 2:
+                continue
+            seen.add(src)
+            out.append(R.Skip(
+                "fused_linear_ce", f"{G.op(node)} of an input", G.module_path(node),
+                f"its logits {list(G.shape(src))} are an input of this graph (made by an lm_head in an earlier "
+                f"graph, before a graph break), so no lm_head is here to fuse; {_FIX_HEAD}",
+            ))  # fmt: skip
+        elif node.op == "call_function" and node.target in _SDPA:
+            mask = G.arg(node, 3, "attn_mask")
+            src = G.graph_input(mask) if isinstance(mask, fx.Node) else None
+            if src is None or src.op != "placeholder":
+                continue
+            out.append(R.Skip(
+                "attention", "sdpa", G.module_path(node),
+                f"its attn_mask {list(G.shape(src) or ())} is an input of this graph (built in an earlier graph, "
+                "before a graph break), so its construction cannot be read and the attention stays dense; let the "
+                "graph that attends build the mask (compile the step whole, or per block with the mask built "
+                "inside the block)",
+            ))  # fmt: skip
+    return out
+
+
+__all__ = ["notes"]
