@@ -53,6 +53,7 @@ def test_dynamic_hf_style_step_compiles_without_a_restart(monkeypatch):
     """Embedding's norm_type and SDPA's scale / dropout_p are floats AOTAutograd cannot turn into tensors: without
     the backend specializing them first, Dynamo restarts and the passes and AOTAutograd run twice."""
     runs = _runs(monkeypatch)
+    aot, frames = counters["aot_autograd"]["total"], counters["frames"]["ok"]  # global counts: deltas
     model = Model()
     ref = Model()
     ref.load_state_dict(model.state_dict())
@@ -68,7 +69,8 @@ def test_dynamic_hf_style_step_compiles_without_a_restart(monkeypatch):
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, name=f"grad of {name} at {n}")
     assert len(runs) == 1, f"the passes ran {len(runs)} times for one graph (a Dynamo restart)"
-    assert counters["aot_autograd"]["total"] == 1 and counters["frames"]["ok"] == 1, dict(counters["aot_autograd"])
+    assert counters["aot_autograd"]["total"] - aot == 1, "AOTAutograd traced the graph more than once"
+    assert counters["frames"]["ok"] - frames == 1, "one compile serves both lengths"
     rep = tilecompile.report()
     assert rep.graphs == 1 and rep.counts["tiled_mlp"] == 2, rep
 
@@ -101,7 +103,7 @@ def test_pass_times_count_each_pass_once_per_graph():
     f(torch.randint(0, 50, (2, 9))).backward()
     assert {name: t.runs for name, t in pipeline.TIMES.items()} == {
         **dict.fromkeys(pipeline.PASS_ORDER, 1),
-        "snapshot": len(pipeline.PASS_ORDER),  # each pass runs on a snapshot it can undo, then is checked
+        "snapshot": len(pipeline.PASS_ORDER),
         "check": len(pipeline.PASS_ORDER),
     }, pipeline.TIMES
     assert all(t.cpu_s >= 0 and t.wall_s > 0 for t in pipeline.TIMES.values())
