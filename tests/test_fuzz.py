@@ -853,21 +853,20 @@ def attention_probe(seed: int, dtype: torch.dtype):
 
 @contextlib.contextmanager
 def emulated_flash(on: bool):
-    """The op's CUDA path (tokens packed by the plan, flash varlen) on CPU tensors, through the float64 emulation of
-    the varlen kernels in tests/test_attention_packed.py."""
+    """The op's CUDA path (tokens packed by the plan, flash varlen and flash over whole rows) on CPU tensors,
+    through the float64 emulation of the kernels in tests/test_attention_packed.py."""
     if not on:
         yield
         return
     from unittest import mock
 
-    from test_attention_packed import emulated_flash_bwd, emulated_flash_fwd
+    from test_attention_packed import EMULATED
     from tilecompile.kernels import attention as K
 
-    with (
-        mock.patch.object(K, "flash_fwd", emulated_flash_fwd),
-        mock.patch.object(K, "flash_bwd", emulated_flash_bwd),
-        mock.patch.object(K, "flash_supported", lambda q, k, v: True),
-    ):
+    with contextlib.ExitStack() as stack:
+        for name, fn in EMULATED.items():
+            stack.enter_context(mock.patch.object(K, name, fn))
+        stack.enter_context(mock.patch.object(K, "_DENSE_OK", [True]))
         yield
 
 
