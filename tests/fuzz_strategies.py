@@ -177,6 +177,11 @@ class LMHead(nn.Module):
     def forward(self, h: torch.Tensor, labels: torch.Tensor, t: torch.Tensor | None = None) -> tuple:
         s = self.spec
         z = self.logits(h, t)
+        if self.reference:
+            # lse, Σ softmax·z and z_y are of the logits' size: an output that cancels them (the op's entropy
+            # lse − Σ p·z of a confident row, ~1e-3 of |z|) rounds with them
+            finite = z.detach()[torch.isfinite(z.detach())]
+            self.output_term_size = float(finite.abs().max()) if finite.numel() else 0.0
         if s.shift:
             z, labels = z[:, :-1], labels[:, 1:]
         v, ii = z.shape[-1], s.ignore_index
