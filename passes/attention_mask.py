@@ -15,8 +15,10 @@ those that can be folded (``arange + 0``, ``cumsum(diff(arange) != 1)`` = 0) are
 packed-sequence detection over an in-graph arange is proven to be no constraint at all.
 
 The formula is then read as a conjunction of the supported atoms, in the final mask frame [..., N_q, N_kv]:
-``lo <= c_q - c_kv <= hi`` (c: the index, or one per-token position tensor), ``doc_q == doc_kv`` and
-``valid_kv``. Anything else (a disjunction, a head-dependent mask, a key offset, ...) is a reason, not a guess.
+``lo <= c_q - c_kv <= hi`` (c: the index, or one per-token position tensor), ``doc_q == doc_kv``, ``valid_kv``,
+and chunks: ``(i_q + R) // k == (i_kv + R) // k`` (``FloorDiv`` values; R a constant plus per-row [B] tensors read
+at the batch index, ``Row``: HF's chunked_overlay less each row's left padding), documents the pass builds.
+Anything else (a disjunction, a head-dependent mask, a key offset, ...) is a reason, not a guess.
 """
 
 from __future__ import annotations
