@@ -310,12 +310,17 @@ def _padded_case(device, valid: torch.Tensor, doc: torch.Tensor | None, repeats:
     plan = OA.attention_plan(None, doc, valid, 0, None)
     before = dict(OA.PATHS)
 
-    def ours():
+    def ours(plan=plan):
         out, _ = torch.ops.tilecompile.masked_attention(q, k, v, None, doc, valid, 0, None, scale, plan)
         torch.autograd.grad(out, (q, k, v), g)
 
     ours()
     path = "flash" if OA.PATHS["flash"] > before["flash"] else "chunked"
+    # the same plan with the natural order refused (info[7] = 0): the packed order, its row gathers included
+    sorted_plan = list(plan)
+    sorted_plan[5] = plan[5].clone()
+    sorted_plan[5][7] = 0
+    natural = bool(plan[5][7]) and not bool(plan[5][6])
     # the floor: flash varlen over the real tokens alone, packed once outside the timing
     pk = K.packed(plan, b, n)
     t1 = pk["t1"] if pk else int(valid.sum())
@@ -345,7 +350,8 @@ def _padded_case(device, valid: torch.Tensor, doc: torch.Tensor | None, repeats:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         torch.autograd.grad(out, (q, k, v), g)
 
-    row = dict(real=round(t1 / (b * n), 3), path=path, plan_ms=plan_ms, ours_ms=_time(ours, repeats),
+    row = dict(real=round(t1 / (b * n), 3), path=path, natural=natural, plan_ms=plan_ms,
+               ours_ms=_time(ours, repeats), packed_order_ms=_time(lambda: ours(sorted_plan), repeats),
                floor_ms=_time(floor, repeats) if pk else None, dense_ms=_time(dense, repeats),
                floor_exact_ms=_time(floor_exact, repeats) if pk else None)  # fmt: skip
     with torch.no_grad():

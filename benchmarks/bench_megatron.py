@@ -52,6 +52,11 @@ def _setup(device: str, tmp: str) -> None:
             return contextlib.nullcontext()
 
     mcore_tp.get_cuda_rng_tracker = lambda *a, **k: NoFork()
+    # the modules that imported the tracker's getter by name (layers.py's weight init among them) reach the tracker
+    # itself: its fork is a no-op too (no state to add on CUDA, nothing for Dynamo to trace)
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random.get_cuda_rng_tracker().fork = NoFork().fork
     if device == "cpu":  # eager mcore's CUDA-only buffers (examples/megatron_gpt.py says why the order matters)
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
         from megatron_gpt import cpu_shims

@@ -24,6 +24,9 @@ Two implementations of the same math:
   group (right padding) over those keys, non-causally; pad queries with no allowed key (left padding) get 0. Exact
   whenever the plan says so (any padding on either side, documents in any row, in any order; windows and
   position-defined order where coordinates advance by one inside a group); the plan's one host sync reads that.
+  Where every group's tokens lie together (padding on either side, documents in order: what collators make), the
+  same calls run on the tokens where they lie (``_natural_segments``): pad runs become segments of no key or no
+  query, and only the right-pad query rows are gathered, not every row of q, k, v, out and the gradients.
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def flash_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def plan_tensors(pos, doc, valid, lo, hi, b: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """The packing of the mask's tokens for flash varlen, worked out on the device with static shapes, then read
-    back once (the only host sync): ``(order, inv, region, cu1, cu2, info)``.
+    back once (the only host sync): ``(order, inv, region, cu1, cu2, info, ncu, right)``.
 
     Tokens t = (row, index) are grouped by (row, doc); inside a group the valid tokens come first, in index order.
     Packed order: every group's valid tokens (call 1's segments, one per group that has any: causal / windowed
@@ -194,7 +197,10 @@ def plan_tensors(pos, doc, valid, lo, hi, b: int, n: int, device: torch.device) 
 
     order [T] (packed position -> flat token), inv [T], region [T] int8 (0, 1, 2 as above), cu1 / cu2 [T + 2] int32
     (the first S + 1 entries: call 1's query-and-key offsets; call 2's query offsets, its keys being call 1's),
-    info [7] int64 on the CPU: inexact, S, tokens of call 1, of call 2, longest of each, order is the identity.
+    info [13] int64 on the CPU: inexact, S, tokens of call 1, of call 2, longest of each, order is the identity,
+    then the natural order's (``_natural_segments``): whether it serves, its segments in each call, longest
+    segment of call 1, longest query and key segment of call 2. ncu [4, 3T + 3] int32: the natural order's offsets;
+    right [T]: the region-1 tokens first, in token order (the rows natural call 2 gathers).
     """
     t = b * n
     ar = torch.arange(t, device=device)
@@ -245,23 +251,101 @@ def plan_tensors(pos, doc, valid, lo, hi, b: int, n: int, device: torch.device) 
     t1 = ok.sum()
     cu2 = cu2 + t1
     inv = torch.empty_like(order).scatter_(0, order, ar)
+    ncu, right, natural = _natural_segments(ar, ok, o, gid, region_o, nall, start, inexact, b)
     info = torch.stack(
-        [inexact.long(), has.sum(), t1, nall.sum(), nvalid.max(), nall.max(), (order == ar).all().long()]
+        [inexact.long(), has.sum(), t1, nall.sum(), nvalid.max(), nall.max(), (order == ar).all().long(), *natural]
     )
     HOST_SYNCS[0] += 1
-    return order, inv, region, cu1.to(torch.int32), cu2.to(torch.int32), info.cpu()
+    return order, inv, region, cu1.to(torch.int32), cu2.to(torch.int32), info.cpu(), ncu.to(torch.int32), right
+
+
+def _natural_segments(ar, ok, o, gid, region_o, nall, start, inexact, b: int):
+    """The same two flash calls over the tokens where they lie (flat index order), so that no valid row is
+    gathered: ``(ncu [4, 3T + 3], right [T], [natural, S1, S2, max1, max2q, max2k])``, ``ncu`` holding call 1's
+    query and key offsets and call 2's (the first S1 + 1 / S2 + 1 entries).
+
+    Call 1: each group's valid run is one segment, causal (or windowed) over itself; a run of pad tokens between
+    them is two segments, its queries over no key, then its keys under no query: flash computes nothing there
+    (the caller fills those rows). Call 2: the region-1 (right-pad) queries, gathered in token order (``right``),
+    each group's run of them over the group's valid run where it lies, each such segment after a key-only filler
+    that brings the key offset to it, and one key-only filler to the end, so that every key's gradient is
+    written (0 outside): gathering those few query rows keeps flash's per-row work (its dO·O and dQ passes) off
+    the rest. Natural order serves when the plan is exact, every group's tokens are contiguous, each group has one
+    valid run and at most one run of region-1 pads, and the fillers stay few (at most two pad runs a row beside
+    one a group: flash's backward sizes a buffer by 128 rows a segment)."""
+    t = ar.numel()
+    device = ar.device
+    big = torch.iinfo(torch.long).max // 4
+    gid_n = torch.empty_like(gid).scatter_(0, o, gid)
+    reg_n = torch.empty_like(region_o).scatter_(0, o, region_o)
+    first = ar == 0
+    prev = torch.cat([ar[:1], ar[:-1]])  # the token before (itself for the first)
+    gstart = first | (gid_n != gid_n[prev])
+    contiguous = gstart.sum() == start.sum()
+    # call 1's runs: a group's valid tokens, or consecutive pad tokens of any groups
+    rstart = first | (ok != ok[prev]) | (ok & (gid_n != gid_n[prev]))
+    runs_of = torch.zeros(t, dtype=torch.long, device=device)
+    valid_runs = runs_of.scatter_add(0, gid_n, (rstart & ok).long())
+    r1 = reg_n == 1
+    r1_runs = runs_of.scatter_add(0, gid_n, (r1 & (first | ~r1[prev] | gstart)).long())
+    pad_runs = (rstart & ~ok).sum()
+    groups = start.sum()
+    rend = torch.cat([rstart[1:], torch.ones(1, dtype=torch.bool, device=device)])
+    s = torch.cummax(torch.where(rstart, ar, 0), 0).values
+    e = ar + 1
+    cnt = torch.where(rend, torch.where(ok, 1, 2), 0)
+    slot = torch.cumsum(cnt, 0) - cnt + 1
+    size = 3 * t + 3
+    dump = size - 1
+    ncu = torch.zeros(4, size, dtype=torch.long, device=device)
+    at = torch.where(rend, slot, dump)
+    ncu[0].scatter_(0, at, e)
+    ncu[1].scatter_(0, at, torch.where(ok, e, s))
+    at = torch.where(rend & ~ok, slot + 1, dump)
+    ncu[0].scatter_(0, at, e)
+    ncu[1].scatter_(0, at, e)
+    s1 = cnt.sum()
+    max1 = torch.where(rend, e - s, 0).max()
+    # call 2: the region-1 queries gathered in token order (few rows, unlike the keys); each group's run of them
+    # over the group's valid run, where the keys lie, after a key-only filler from the last such run's keys
+    vs = torch.full((t,), big, device=device).scatter_reduce_(0, gid_n, torch.where(ok, ar, big), "amin")
+    ve = torch.full((t,), -1, device=device).scatter_reduce_(0, gid_n, torch.where(ok, ar, -1), "amax") + 1
+    rs = torch.full((t,), big, device=device).scatter_reduce_(0, gid_n, torch.where(r1, ar, big), "amin")
+    re = torch.full((t,), -1, device=device).scatter_reduce_(0, gid_n, torch.where(r1, ar, -1), "amax") + 1
+    has1 = nall > 0
+    g1 = has1.sum()
+    by = torch.argsort(torch.where(has1, rs, big))
+    rs, re, vs, ve = rs[by], re[by], vs[by], ve[by]
+    real = ar < g1
+    length = torch.where(real, re - rs, 0)
+    qc = torch.cumsum(length, 0)
+    vs, ve = torch.where(real, vs, t), torch.where(real, ve, t)  # past the last group: the filler to the end
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    qc_prev, ve_prev = torch.cat([zero, qc[:-1]]), torch.cat([zero, ve[:-1]])
+    at = 1 + 2 * ar
+    ncu[2].scatter_(0, at, qc_prev)  # keys [ve_prev, vs) under no query
+    ncu[3].scatter_(0, at, vs)
+    ncu[2].scatter_(0, at + 1, qc)  # the group's right pads over its valid run
+    ncu[3].scatter_(0, at + 1, ve)
+    s2 = torch.where(g1 > 0, 2 * g1 + 1, 0)
+    upto = ar <= g1
+    max2q = torch.where(upto, length, 0).max()
+    max2k = torch.where(upto, torch.maximum(ve - vs, vs - ve_prev), 0).max()
+    right = torch.argsort((~r1).to(torch.int8), stable=True)  # the region-1 tokens first, in token order
+    natural = ~inexact & contiguous & (valid_runs <= 1).all() & (r1_runs <= 1).all() & (pad_runs <= groups + 2 * b)
+    return ncu, right, [natural.long(), s1, s2, max1, max2q, max2k]
 
 
 def packed(plan: list[torch.Tensor] | tuple[torch.Tensor, ...], b: int, n: int) -> dict | None:
     """The plan as flash varlen's arguments (no host sync: ``info`` is on the CPU), or None where it is inexact or
     was made for another token count."""
-    order, inv, region, cu1, cu2, info = plan
+    order, inv, region, cu1, cu2, info, ncu, right = plan
     if order.numel() != b * n:
         return None
-    inexact, s, t1, t2, max1, max2, identity = info.tolist()
+    inexact, s, t1, t2, max1, max2, identity, natural, s1n, s2n, max1n, max2q, max2k = info.tolist()
     if inexact:
         return None
-    return {
+    pk = {
         "order": None if identity else order,
         "inv": None if identity else inv,
         "region": region,
@@ -272,7 +356,19 @@ def packed(plan: list[torch.Tensor] | tuple[torch.Tensor, ...], b: int, n: int) 
         "cu2": cu2[: s + 1] if t2 else None,
         "max1": max(1, max1),
         "max2": max(1, max2),
+        "natural": None,
     }
+    if natural and not identity:  # where the order is the identity, the packed path gathers nothing either
+        pk["natural"] = {
+            "cu1": (ncu[0, : s1n + 1], ncu[1, : s1n + 1]),
+            "max1": max(1, max1n),
+            "cu2": (ncu[2, : s2n + 1], ncu[3, : s2n + 1]) if t2 else None,
+            "max2": (max(1, max2q), max(1, max2k)),
+            "right": right[:t2],  # region 1: the right-pad queries call 2 computes, in token order
+            "none": order[t1 + t2 :],  # region 2: queries with no key (output 0)
+            "pads": order[t1:],  # every pad token: no key's gradient
+        }
+    return pk
 
 
 def _windows(lo, hi):
@@ -462,6 +558,8 @@ def packed_fwd(q, k, v, pk: dict, lo, hi, scale):
         res = _dense(flash_dense_fwd, _rows4(q), _rows4(k), _rows4(v), lo == 0, left, right, scale)
         if res is not None:
             return res[0].transpose(1, 2), res[1].contiguous()
+    if pk["natural"] is not None:
+        return _natural_fwd(q, k, v, pk, lo, left, right, scale)
     qf, kf, vf = (_pack(x, order) for x in (q, k, v))
     out, lse = flash_fwd(qf, kf, vf, pk["cu1"], pk["cu1"], pk["max1"], pk["max1"], lo == 0, left, right, scale)
     if tuple(lse.shape) != (h, t):
@@ -497,6 +595,8 @@ def packed_bwd(grad_out, q, k, v, out, lse, pk: dict, lo, hi, scale):
         res = _dense(flash_dense_bwd, *rows, lse.contiguous(), lo == 0, left, right, scale)
         if res is not None:
             return tuple(x.transpose(1, 2) for x in res)
+    if pk["natural"] is not None:
+        return _natural_bwd(grad_out, q, k, v, out, lse, pk, lo, left, right, scale)
     qf, kf, vf, of, gf = (_pack(x, order) for x in (q, k, v, out, grad_out))
     lse_f = lse.transpose(0, 1).reshape(h, b * n)
     lse_f = lse_f.contiguous() if order is None else lse_f.index_select(1, order)
@@ -513,3 +613,47 @@ def packed_bwd(grad_out, q, k, v, out, lse, pk: dict, lo, hi, scale):
     dv[t1:] = 0
     inv = pk["inv"]
     return _unpack(dq, inv, b, n), _unpack(dk, inv, b, n), _unpack(dv, inv, b, n)
+
+
+def _natural_fwd(q, k, v, pk: dict, lo, left, right, scale):
+    """``packed_fwd`` on the tokens where they lie (``_natural_segments``): q, k, v of HF's token-major layout are
+    taken as [T, heads, D] without a copy, and out comes back as a view; only pad rows are gathered or written:
+    the right-pad queries for call 2 and their results, the rows with no key set to 0 (lse +inf)."""
+    b, h, n, _ = q.shape
+    nat = pk["natural"]
+    qf, kf, vf = (_pack(x, None) for x in (q, k, v))
+    (cq, ck), m1 = nat["cu1"], nat["max1"]
+    out, lse = flash_fwd(qf, kf, vf, cq, ck, m1, m1, lo == 0, left, right, scale)
+    if tuple(lse.shape) != (h, b * n):
+        raise RuntimeError(f"flash varlen returned lse of shape {tuple(lse.shape)}, expected {(h, b * n)}")
+    if nat["cu2"] is not None:
+        right_rows = nat["right"]
+        (cq, ck), (mq, mk) = nat["cu2"], nat["max2"]
+        out2, lse2 = flash_fwd(qf.index_select(0, right_rows), kf, vf, cq, ck, mq, mk, False, -1, -1, scale)
+        out.index_copy_(0, right_rows, out2)
+        lse.index_copy_(1, right_rows, lse2)
+    out.index_fill_(0, nat["none"], 0)
+    lse.index_fill_(1, nat["none"], float("inf"))
+    return _unpack(out, None, b, n), lse.view(h, b, n).transpose(0, 1).contiguous()
+
+
+def _natural_bwd(grad_out, q, k, v, out, lse, pk: dict, lo, left, right, scale):
+    b, h, n, _ = q.shape
+    nat = pk["natural"]
+    qf, kf, vf, of, gf = (_pack(x, None) for x in (q, k, v, out, grad_out))
+    lse_f = lse.transpose(0, 1).reshape(h, b * n)
+    (cq, ck), m1 = nat["cu1"], nat["max1"]
+    dq, dk, dv = flash_bwd(gf, qf, kf, vf, of, lse_f, cq, ck, m1, m1, lo == 0, left, right, scale)
+    if nat["cu2"] is not None:
+        right_rows = nat["right"]
+        (cq, ck), (mq, mk) = nat["cu2"], nat["max2"]
+        g2, q2, o2 = (x.index_select(0, right_rows) for x in (gf, qf, of))
+        lse2 = lse_f.index_select(1, right_rows)
+        dq2, dk2, dv2 = flash_bwd(g2, q2, kf, vf, o2, lse2, cq, ck, mq, mk, False, -1, -1, scale)
+        dq.index_copy_(0, right_rows, dq2)
+        dk += dk2  # every key lies in one of call 2's key segments: 0 where no query reads it
+        dv += dv2
+    dq.index_fill_(0, nat["none"], 0)
+    dk.index_fill_(0, nat["pads"], 0)  # only valid tokens are keys
+    dv.index_fill_(0, nat["pads"], 0)
+    return _unpack(dq, None, b, n), _unpack(dk, None, b, n), _unpack(dv, None, b, n)

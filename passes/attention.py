@@ -326,7 +326,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return result
 
 
-PLAN_SIZE = 6  # the tensors of tilecompile::attention_plan (OA.plan_fakes)
+PLAN_SIZE = 8  # the tensors of tilecompile::attention_plan (OA.plan_fakes)
 
 
 def _cast(graph: fx.Graph, t: fx.Node, dtype: torch.dtype) -> fx.Node:

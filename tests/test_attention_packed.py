@@ -2,8 +2,9 @@
 
 The packing, the two flash varlen calls, and putting the rows back are plain PyTorch; only the flash kernels
 are CUDA. Here they are replaced by ``emulated_flash_fwd`` / ``_bwd``: the same varlen semantics (segments from
-``cu_seqlens``, causal and windows aligned to a segment's bottom right, 0 and lse = +inf for a row with no key, rows
-outside every segment left as garbage: NaN), computed densely in float64. So every mask family's packing is held to
+``cu_seqlens``, causal and windows aligned to a segment's bottom right, 0 and lse = +inf for a row with no key in
+its segment, rows outside every segment and the rows of a segment of no key left as garbage: NaN; the keys of a
+segment of no query get 0, as the kernel writes), computed densely in float64. So every mask family's packing is held to
 the float64 reference at every position, values and gradients, pad rows included. The GPU tests run the real
 kernels (tests/test_pass_attention.py, ``-m gpu``).
 """
@@ -40,7 +41,7 @@ def _emulate(q, k, v, cu_q, cu_k, causal, left, right, scale):
     outs, lses = [], []
     for s in range(cu_q.numel() - 1):
         q0, q1, k0, k1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
-        if q1 == q0:
+        if q1 == q0 or k1 == k0:  # a segment of no key: its rows stay NaN (the op must not read them)
             continue
         qs = q[q0:q1].double().transpose(0, 1)  # [H, lq, D]
         ks = k[k0:k1].double().repeat_interleave(rep, 1).transpose(0, 1)
@@ -76,6 +77,8 @@ def emulated_flash_bwd(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, l
     dk, dv = torch.full(k.shape, nan, dtype=torch.float64), torch.full(v.shape, nan, dtype=torch.float64)
     for s in range(cu_q.numel() - 1):
         q0, q1, k0, k1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        if k1 == k0:  # no key: the query rows' dq stays NaN (the op must not read them)
+            continue
         qs, gs = q[q0:q1].double().transpose(0, 1), g[q0:q1].double().transpose(0, 1)  # [H, lq, D]
         ks = k[k0:k1].double().repeat_interleave(rep, 1).transpose(0, 1)
         vs = v[k0:k1].double().repeat_interleave(rep, 1).transpose(0, 1)
@@ -209,6 +212,41 @@ def test_packed_path_matches_float64_at_every_position(case, dtype, emulated_fla
     empty = ~mask.expand(b, 1, N, N).any(-1).expand(b, h, N) if mask is not None else torch.zeros(b, h, N, dtype=bool)
     assert torch.equal(torch.isinf(lse), empty), name
     assert (out[empty[..., None].expand_as(out)] == 0).all(), name
+
+
+# the cases whose plan runs flash on the tokens where they lie (no row gathered): padding of either side, documents
+# with padding; "docs out of order" (a document in two pieces) keeps the packed order, whole rows their own kernels
+NATURAL = {
+    "left", "right", "both (TRL)", "pad as bool", "window + left", "docs + padding", "docs bidirectional + padding"
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[6]], ids=[c[0] for c in CASES if c[6]])
+def test_padding_runs_flash_where_the_tokens_lie(case, emulated_flash, monkeypatch):
+    """Padded batches take the natural order: the flash calls read q, k, v, out and the output grad in place (no
+    token row gathered, ``_pack`` with no order); the other exact plans keep theirs, and the natural plan refused
+    (its flag cleared) gives the same values and grads through the packed order."""
+    name, pos, doc, valid, lo, hi, _ = case
+    if (pos, doc, valid) == (None, None, None):
+        pytest.skip("no tokens: no plan")
+    b = max(t.shape[0] for t in (pos, doc, valid) if t is not None)
+    plan = OA.attention_plan(pos, doc, valid, lo, hi)
+    assert (K.packed(plan, b, N)["natural"] is not None) == (name in NATURAL), name
+    orders = []
+    real_pack = K._pack
+    monkeypatch.setattr(K, "_pack", lambda t, order: orders.append(order is not None) or real_pack(t, order))
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(b, x, N, 8, dtype=torch.float64, requires_grad=True) for x in (4, 2, 2))
+    g = torch.randn(b, 4, N, 8, dtype=torch.float64)
+    results = []
+    for p in (plan, plan[:5] + [plan[5].clone().index_fill_(0, torch.tensor([7]), 0)] + plan[6:]):
+        orders.clear()
+        out, lse = torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, valid, lo, hi, 0.3, p)
+        results.append((out, lse, *torch.autograd.grad(out, (q, k, v), g)))
+        if p is plan and name in NATURAL:
+            assert orders and not any(orders), (name, orders)
+    for label, a, r in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.allclose(a, r, rtol=1e-12, atol=1e-12), (name, label)
 
 
 def test_plan_reads_back_once_and_layers_share_it(emulated_flash):

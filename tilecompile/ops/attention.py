@@ -59,7 +59,9 @@ def plan_fakes(like: torch.Tensor, t) -> list[torch.Tensor]:
         like.new_empty(t, dtype=torch.int8),
         like.new_empty(t + 2, dtype=torch.int32),
         like.new_empty(t + 2, dtype=torch.int32),
-        like.new_empty(7, dtype=torch.long, device="cpu"),
+        like.new_empty(13, dtype=torch.long, device="cpu"),
+        like.new_empty((4, 3 * t + 3), dtype=torch.int32),
+        like.new_empty(t, dtype=torch.long),
     ]
 
 
@@ -88,8 +90,8 @@ def _static_plan(b: int, n: int, device: torch.device) -> tuple[torch.Tensor, ..
     ar = torch.arange(t, device=device)
     cu = torch.nn.functional.pad(torch.arange(0, t + 1, n, device=device, dtype=torch.int32), (0, t + 1 - b))
     region = torch.zeros(t, dtype=torch.int8, device=device)
-    info = torch.tensor([0, b, t, 0, n, 0, 1])
-    return ar, ar, region, cu, cu, info
+    info = torch.tensor([0, b, t, 0, n, 0, 1] + [0] * 6)
+    return ar, ar, region, cu, cu, info, torch.zeros(4, 3 * t + 3, dtype=torch.int32, device=device), ar
 
 
 def _check_static(q, k, v, pos, doc, valid) -> None:
