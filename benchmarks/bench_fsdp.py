@@ -16,6 +16,8 @@ step. Variants, each in its own process
                      (the lm_head and the loss in one graph; each layer builds its own causal mask) and
                      ``torch.compile(head, backend="tilecompile")``
   eager-fsdp2        the same FSDP2 model and LossHead, not compiled (HF's own sdpa masks: layer_masks=False)
+  tilecompile-autocast  (not run by default) no FSDP2, fp32 weights, the compiled step under bf16 autocast (HF
+                     Trainer's mixed precision): the no-FSDP2 step with the FSDP2 variant's weight and grad memory
 The bf16 weights of ``tilecompile`` are the FSDP2 variants' fp32 weights rounded to bf16, which is what
 ``param_dtype=bf16`` computes with, so the first step's losses should agree to bf16 rounding. Peak memory differs
 by layout as well as by FSDP2: fp32 weights and grads take 11.5 GiB where bf16 take 5.74.
@@ -53,14 +55,15 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e import MODELS, TINY, grpo_step, inputs, versions  # noqa: E402
 
-VARIANTS = ("tilecompile", "tilecompile-fsdp2", "eager-fsdp2")
+VARIANTS = ("tilecompile", "tilecompile-fsdp2", "eager-fsdp2", "tilecompile-autocast")
+DEFAULT = VARIANTS[:3]
 FIELDS = [
     "variant", "fsdp2", "compiled", "weights", "compute", "seq_len", "ok", "error", "tok_s", "step_s", "peak_gib",
     "first_step_s", "compile_s", "loss", "graphs", "attention", "fused_linear_ce", "tiled_mlp", "skipped",
     "failures", "layers", "checkpointing", "tiny", "device", "torch", "triton", "transformers", "date", "commit",
 ]  # fmt: skip
 ROW = "ROW "  # a worker's result lines start with this
-MIN_SECONDS = {"eager-fsdp2": 25, "tilecompile": 60, "tilecompile-fsdp2": 60}  # below this left: skip (on cuda)
+MIN_SECONDS = dict.fromkeys(VARIANTS, 60) | {"eager-fsdp2": 25}  # fewer seconds left (cuda): the variant is skipped
 
 
 def grpo_loss(logits, ids, attention_mask, adv, old_logp):
@@ -133,11 +136,19 @@ def worker(cfg: dict) -> None:
         weights, compute = "fp32", "bf16 (FSDP2 param_dtype)" if bf16 else "fp32"
         params = head.parameters
     else:
-        if bf16:
+        autocast = variant == "tilecompile-autocast"
+        if bf16 and not autocast:
             model.to(torch.bfloat16)
         fn = lambda ids, mask, adv, old: grpo_step(model, ids, adv, old, attention_mask=mask)  # noqa: E731
         step = torch.compile(fn, backend="tilecompile", options=options) if compiled else fn
         weights = compute = "bf16" if bf16 else "fp32"
+        if autocast:
+            weights, compute, inner = "fp32", "bf16 autocast" if bf16 else "fp32", step
+
+            def step(*batch):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    return inner(*batch)
+
         params = model.parameters
     base = dict(variant=variant, fsdp2=int(fsdp2), compiled=int(compiled), weights=weights, compute=compute,
                 layers=model.config.num_hidden_layers, checkpointing=int(cfg["checkpointing"]), tiny=int(cfg["tiny"]),
@@ -216,7 +227,9 @@ def run_worker(cfg: dict, timeout: float) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, run in this order")
+    ap.add_argument(
+        "--variants", default=",".join(DEFAULT), help="comma-separated, run in this order: " + ",".join(VARIANTS)
+    )
     ap.add_argument("--lengths", default="16384", help="tokens (one row), comma-separated")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps after the first (median)")
     ap.add_argument("--budget", type=float, default=280, help="seconds for the whole run")
@@ -246,7 +259,7 @@ def main() -> None:
         left = deadline - time.time()
         if args.device == "cuda" and left < MIN_SECONDS[variant]:
             rows.append(dict(variant=variant, seq_len=lengths[0], ok=0, error=f"skipped: {left:.0f} s of budget left"))
-            print(f"{variant:<18} {rows[-1]['error']}", flush=True)
+            print(f"{variant:<20} {rows[-1]['error']}", flush=True)
             continue
         cfg = dict(variant=variant, lengths=lengths, repeats=args.repeats, layers=args.layers, mask=args.mask,
                    checkpointing=args.checkpointing == "on",
@@ -256,7 +269,7 @@ def main() -> None:
         for row in got:
             keys = ("seq_len", "ok", "error", "tok_s", "peak_gib", "first_step_s", "compile_s", "loss", "graphs",
                     "attention", "fused_linear_ce", "tiled_mlp")  # fmt: skip
-            print(f"{variant:<18} " + " ".join(f"{k}={row[k]}" for k in keys if row.get(k) not in (None, "")))
+            print(f"{variant:<20} " + " ".join(f"{k}={row[k]}" for k in keys if row.get(k) not in (None, "")))
         rows += got
     print(f"total {time.time() - start:.0f} s", flush=True)
     if args.out:
