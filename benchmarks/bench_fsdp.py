@@ -14,7 +14,7 @@ step. Variants, each in its own process
                      ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (bf16 compute, fp32 grads);
                      compiled as README.md's FSDP2 section says: the root is ``tilecompile.LossHead(model, loss)``
                      (the lm_head and the loss in one graph; each layer builds its own causal mask) and
-                     ``torch.compile(head, backend="tilecompile")``
+                     ``head.compile(backend="tilecompile")`` (the head and each layer)
   eager-fsdp2        the same FSDP2 model and LossHead, not compiled (HF's own sdpa masks: layer_masks=False)
   tilecompile-autocast  (not run by default) no FSDP2, fp32 weights, the compiled step under bf16 autocast (HF
                      Trainer's mixed precision): the no-FSDP2 step with the FSDP2 variant's weight and grad memory
@@ -132,7 +132,9 @@ def worker(cfg: dict) -> None:
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(head, **kwargs)
-        step = torch.compile(head, backend="tilecompile", options=options) if compiled else head
+        if compiled:  # the head and each decoder layer (LossHead.compile: torch 2.11 skips the decoder's loop)
+            head.compile(backend="tilecompile", options=options)
+        step = head
         weights, compute = "fp32", "bf16 (FSDP2 param_dtype)" if bf16 else "fp32"
         params = head.parameters
     else:

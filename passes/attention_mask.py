@@ -870,7 +870,10 @@ def _read_chunk(atom: Bool, spec: dict, q_axis: int, kv_axis: int, b_axis: int |
         if isinstance(base, Idx):
             if coef != 1 or base.axis not in (q_axis, kv_axis):
                 raise NotIndexArithmetic(f"chunks of {coef} times the index along axis {base.axis}")
-        elif isinstance(base, Row) and b_axis is not None and base.axis == b_axis:
+        elif isinstance(base, (Row, Tok)) and b_axis is not None and base.axis == b_axis:
+            # a tensor laid along the batch axis is per-row, however it was read (a [1] one at B = N = 1: a Tok)
+            if isinstance(base, Tok) and (base.batch_axis is not None or G.example_value(base.node).dim() != 1):
+                raise NotIndexArithmetic(f"chunks offset by {_describe_terms({base: coef})}, not a per-row tensor")
             rows.append((base.node, coef))
         else:
             raise NotIndexArithmetic(f"chunks offset by {_describe_terms({base: coef})}, not a per-row tensor")

@@ -963,6 +963,15 @@ _FOUND_ATTN = [
         Layout((1, 1), extra_lengths=(63,)),
         4947,
     ),
+    # found by the long profile (2026-12-02): a chunked overlay over left padding at B = N = 1, where the per-row
+    # left-pad count [1] was read as a per-token tensor on the batch axis, and the mask left unread
+    (
+        AttnSpec(padding="broadcast", chunk=1, chunk_overlay=True, frame="2d", heads=2, kv_heads=1, head_dim=1),
+        AttnInputs(dim=1, scale=0.5, pad="left"),
+        torch.float32,
+        Layout((1, 1)),
+        0,
+    ),
 ]
 
 
@@ -972,6 +981,7 @@ _FOUND_ATTN = [
 @example(case=_FOUND_ATTN[1])
 @example(case=_FOUND_ATTN[2])
 @example(case=_FOUND_ATTN[3])
+@example(case=_FOUND_ATTN[4])
 def test_attention_masks_match_eager(case):
     attn_events(*case)
     attn_execute(*case)

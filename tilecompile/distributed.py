@@ -144,13 +144,17 @@ def install() -> bool:
 
 LAYER_MASK = "tilecompile_sdpa"  # the attention implementation LossHead gives an sdpa model
 
+# transformers' modules the two functions below call, imported by ``use_layer_masks`` (outside any trace): Dynamo
+# cannot trace ``from transformers import ...`` through transformers' lazy top-level module ("Bad import result",
+# transformers 5.17), which fell back to eager for every layer
+_HF: dict = {}
+
 
 def _layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
                 local_size=None, **kwargs):  # fmt: skip
     """HF's mask function for ``LAYER_MASK``: the plain causal mask over a padding mask is left for each layer to
     build (``_layer_attention`` gets the [B, N] padding mask, or None); anything else is HF's own sdpa mask."""
-    from transformers import masking_utils as mu
-
+    mu = _HF["masking_utils"]
     plain = mask_function is mu.causal_mask_function and local_size is None
     plain = plain and isinstance(q_offset, int) and q_offset == 0 and isinstance(kv_offset, int) and kv_offset == 0
     if plain and (attention_mask is None or (attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length)):
@@ -162,14 +166,12 @@ def _layer_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
 def _layer_attention(module, query, key, value, attention_mask, **kwargs):
     """HF's sdpa attention, with a [B, N] padding mask made into HF's causal [B, 1, N, N] mask here, in the layer's
     graph, where the attention pass reads how it is built."""
-    from transformers import masking_utils as mu
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    mu = _HF["masking_utils"]
     if attention_mask is None or attention_mask.dim() == 2:
         b, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
         attention_mask = mu.sdpa_mask(b, q_len, kv_len, attention_mask=attention_mask, allow_is_causal_skip=False,
                                       device=query.device)  # fmt: skip
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return _HF["sdpa_attention_forward"](module, query, key, value, attention_mask, **kwargs)
 
 
 def use_layer_masks(model: torch.nn.Module) -> bool:
@@ -180,10 +182,13 @@ def use_layer_masks(model: torch.nn.Module) -> bool:
     if getattr(config, "_attn_implementation", None) not in ("sdpa", LAYER_MASK):
         return False
     try:
+        import transformers.masking_utils as masking_utils
         from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         return False
+    _HF.update(masking_utils=masking_utils, sdpa_attention_forward=sdpa_attention_forward)
     AttentionInterface.register(LAYER_MASK, _layer_attention)
     AttentionMaskInterface.register(LAYER_MASK, _layer_mask)
     for module in model.modules():
@@ -214,8 +219,8 @@ class LossHead(torch.nn.Module):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(head, mesh=mesh)
-        step = torch.compile(head, backend="tilecompile")
-        loss = step(input_ids, attention_mask, *loss_args)
+        head.compile(backend="tilecompile")  # the head and each layer (``compile``)
+        loss = head(input_ids, attention_mask, *loss_args)
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Any, layer_masks: bool = True) -> None:
@@ -230,6 +235,17 @@ class LossHead(torch.nn.Module):
         self.model = model
         self.loss_fn = loss_fn
         self.layer_masks = layer_masks and use_layer_masks(model)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``torch.compile`` in place (``nn.Module.compile``'s arguments), this head and each decoder layer: under
+        FSDP2 with torch 2.11, the graph break at a layer's hooks falls inside the decoder's loop over its layers,
+        and Dynamo then skips the decoder's whole frame ("graph break in loop": every layer ran eagerly, no
+        attention or MLP rewrite, measured on the H200); a layer compiled on its own keeps its graph. Where Dynamo
+        does trace the decoder's loop (torch 2.13), the layers' own compiles are inlined into that trace, as
+        before."""
+        super().compile(*args, **kwargs)
+        for layer in getattr(self.model.get_decoder(), "layers", ()):
+            layer.compile(*args, **kwargs)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any):
         decoder = self.model.get_decoder()
