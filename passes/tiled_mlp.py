@@ -15,9 +15,10 @@ chain without broadcasting; the intermediates are used only inside the MLP; one 
 autocast the op is handed ``x`` and the weights cast to the compute dtype, as ``F.linear`` would); no autocast
 edge inside the region; at least ``mlp_min_tokens`` tokens (a symbolic count is compared under a guard).
 
-MoE experts run as grouped matmuls over stacked [E, ...] weights (HF transformers 5's default for Mixtral,
-Qwen3-MoE, ...) are this pass's too: ``tiled_mlp_experts.py`` rewrites them into ``tilecompile::tiled_grouped_mlp``
-(switched by ``mlp_experts``), or gives each a reason.
+MoE experts over stacked [E, ...] weights, run as grouped matmuls (HF transformers 5's default for Mixtral,
+Qwen3-MoE, ...) or as batched matmuls of per-row gathered weights (HF's ``batched_mm``), are this pass's too:
+``tiled_mlp_experts.py`` rewrites them into ``tilecompile::tiled_grouped_mlp`` (switched by ``mlp_experts``), or
+gives each a reason.
 
 Not matched (left to Inductor): GELU spelled out as tanh arithmetic (HF ``gelu_new``), LoRA-style adapters added
 to a projection, dropout inside the MLP, expert weights indexed out of a stacked parameter one expert at a time
