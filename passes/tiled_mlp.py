@@ -15,9 +15,14 @@ chain without broadcasting; the intermediates are used only inside the MLP; one 
 autocast the op is handed ``x`` and the weights cast to the compute dtype, as ``F.linear`` would); no autocast
 edge inside the region; at least ``mlp_min_tokens`` tokens (a symbolic count is compared under a guard).
 
+MoE experts over stacked [E, ...] weights, run as grouped matmuls (HF transformers 5's default for Mixtral,
+Qwen3-MoE, ...) or as batched matmuls of per-row gathered weights (HF's ``batched_mm``), are this pass's too:
+``tiled_mlp_experts.py`` rewrites them into ``tilecompile::tiled_grouped_mlp`` (switched by ``mlp_experts``), or
+gives each a reason.
+
 Not matched (left to Inductor): GELU spelled out as tanh arithmetic (HF ``gelu_new``), LoRA-style adapters added
-to a projection, MoE experts whose weights are indexed out of a stacked parameter, dropout inside the MLP. Grouped
-MoE experts (``grouped_mm`` over stacked [E, ...] weights, HF transformers 5's default) get a reason in the report.
+to a projection, dropout inside the MLP, expert weights indexed out of a stacked parameter one expert at a time
+(HF's per-expert loop: the gate/up weight is computed in the graph, a reason).
 """
 
 from __future__ import annotations
@@ -107,9 +112,6 @@ def as_projection(node: object) -> Projection | None:
 def match(node: fx.Node) -> GatedMLP | str | None:
     """A gated MLP ending in ``node`` (its down projection); a reason when it looks like an MLP but is not one
     this pass can tile; None when ``node`` is not an MLP's down projection at all."""
-    grouped = _grouped_experts_reason(node)
-    if grouped is not None:
-        return grouped
     down = G.as_affine(node)
     if down is None or _bias_added_later(down):
         return None
@@ -144,24 +146,6 @@ def match(node: fx.Node) -> GatedMLP | str | None:
         return reasons[0]
     kinds = ", ".join(str(G.op(t) or t.op) for t in (a, b))
     return f"gate multiply of ({kinds}): neither factor is {'/'.join(ACTIVATIONS)} of a linear"
-
-
-_GROUPED_MM = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
-
-
-def _grouped_experts_reason(node: fx.Node) -> str | None:
-    """A reason for MoE experts run as one grouped matmul over stacked [E, ...] expert weights (HF transformers 5's
-    ``grouped_mm`` experts, torch's ``grouped_mm``) whose input is a gate multiply: the pass has no grouped op yet,
-    so it says so instead of passing them by in silence."""
-    if node.op != "call_function":
-        return None
-    names = {str(node.target), str(getattr(node.target, "__name__", ""))}
-    if not any(n == t or n.endswith(("." + t, "::" + t)) for n in names for t in _GROUPED_MM):
-        return None
-    h = G.strip_casts(node.args[0]) if node.args else None
-    if not isinstance(h, fx.Node) or G.op(h) != "mul":
-        return None
-    return "MoE experts (grouped_mm over stacked expert weights): not tiled (no grouped tiled op yet)"
 
 
 def _bias_added_later(lin: G.Linear) -> bool:
@@ -407,7 +391,10 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     markers = [i for n, i in order.items() if G.is_autocast_marker(n)]
-    changed = False
+    # imported here: tiled_mlp_experts reads this module's helpers (a module-level import would be a cycle)
+    from tilecompile.passes import tiled_mlp_experts
+
+    changed = tiled_mlp_experts.run(gm, ctx, result, order, markers)
     for node in list(gm.graph.nodes):
         if node not in order:
             continue

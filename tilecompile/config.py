@@ -44,6 +44,8 @@ _SPECS: dict[str, _Spec] = {
     "mlp_chunk_budget_mb": _Spec(int, 256, "MiB of intermediate activations per MLP chunk", minimum=1),
     # tiled_mlp: below this many tokens the MLP is left alone (tiling would only cost time); 0 = always tile
     "mlp_min_tokens": _Spec(int, 2048, "MLPs on fewer tokens are not tiled (0: always tile)"),
+    # tiled_mlp: MoE experts over stacked weights (HF's grouped_mm / batched_mm experts) -> tiled_grouped_mlp
+    "mlp_experts": _Spec(bool, True, "MoE experts -> per-expert token-chunked recompute regions"),
     # tiled_mlp: dtype of the weight-gradient accumulators
     "mlp_grad_accum": _Spec(str, "fp32", "weight-grad accumulation dtype", ("fp32", "param")),
     # fused_linear_ce: vocabulary columns per chunk; 0 = chosen by the op
@@ -112,6 +114,7 @@ class Settings:
     mlp_chunk_tokens: int
     mlp_chunk_budget_mb: int
     mlp_min_tokens: int
+    mlp_experts: bool
     mlp_grad_accum: str
     ce_vocab_chunk: int
     ce_loss_aware: bool

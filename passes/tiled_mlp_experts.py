@@ -1,0 +1,489 @@
+"""The tiled_mlp pass's MoE stage: rewrites gated expert MLPs into ``tilecompile::tiled_grouped_mlp``.
+
+    down = grouped_mm(act(gate) * up, Wd, offs),  gate | up = grouped_mm(x, Wgu, offs)[..., halves]
+        ->  tiled_grouped_mlp(x, offs, Wgu[..., gate half], Wgu[..., up half], Wd, act)
+
+This is how HF transformers 5 runs Mixtral's and Qwen3-MoE's experts (``experts_implementation="grouped_mm"``, the
+default): the routed rows sorted by expert, ``offs`` the cumulative row counts, stacked ``gate_up_proj`` [E, 2I, D]
+and ``down_proj`` [E, D, I] passed transposed; ``grouped_mm`` is ``torch.nn.functional.grouped_mm``,
+``torch._grouped_mm`` or (fp32 weights under Dynamo, CPU) HF's ``torch.ops.transformers.grouped_mm_fallback``. Gate
+and up may also be two grouped matmuls of the same rows. The op runs each expert's rows in token chunks and saves
+only ``x`` (the routed rows), the offsets and the weights for backward.
+
+HF's ``experts_implementation="batched_mm"`` gathers each row's expert weights instead,
+``bmm(W[ids], x.unsqueeze(-1)).squeeze(-1)`` ([S, 2I, D] of gathered weights, and their grads, per layer): the
+same op, with the rows sorted into groups around it (``argsort(ids)``, offsets from the counts, the rows gathered
+in that order, the op's output put back in row order).
+
+What stays outside the op: the routing (top-k, sort, the gather of the rows), the routing-weight multiply and the
+un-permute + sum back to tokens. They are [S, D]-sized (no [S, I] intermediate), so tiling them saves nothing; left
+in the graph, the router's gradient is ordinary autograd, and the op keeps ``grouped_mm``'s meaning (a
+per-expert MLP of grouped rows), whatever a model does with its output.
+
+Checks, each a reason when it says no: ``mlp_experts`` on; the same rows and the same offsets (or expert ids) feed
+every projection; the weights are graph inputs; shapes chain ([S, D] rows, [E, D, I] gate and up, [E, I, D_out]
+down, in the op's layout); the intermediates are used only inside the MLP; one dtype inside it (``grouped_mm`` is
+not an autocast op, but batched_mm's ``bmm`` is: under autocast those experts keep a reason); no autocast edge; at
+least ``mlp_min_tokens`` rows. Every grouped matmul the pass does not take into a rewrite gets a reason too (no
+silent miss), and so does a down projection of gathered weights in a form it does not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+from tilecompile.passes import tiled_mlp as dense
+
+import tilecompile.ops.tiled_grouped_mlp  # noqa: F401 - registers torch.ops.tilecompile.tiled_grouped_mlp
+from tilecompile import graph as G
+from tilecompile import reporting as R
+from tilecompile.pipeline import PassContext, PassResult, expect
+
+NAME = dense.NAME
+_GROUPED_MM = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMM:
+    """An expert projection of rows ``input`` [S, K] by stacked weights, in one of two forms:
+
+    - ``grouped``: ``grouped_mm(input, weight, offs)``, rows grouped by expert, ``offs`` [E] their cumulative counts,
+      ``weight`` [E, K, N] (``input[rows of e] @ weight[e]``);
+    - ``gathered``: ``bmm(weight[offs], input.unsqueeze(-1)).squeeze(-1)``, ``offs`` [S] the expert of each row,
+      ``weight`` [E, N, K] (HF's ``batched_mm`` experts; ``node`` is the squeeze).
+    """
+
+    node: fx.Node
+    input: fx.Node
+    weight: fx.Node
+    offs: fx.Node
+    form: str = "grouped"
+
+    @property
+    def out_features(self):
+        return G.shape(self.weight)[2 if self.form == "grouped" else 1]
+
+    @property
+    def in_features(self):
+        return G.shape(self.weight)[1 if self.form == "grouped" else 2]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedProjection:
+    """Gate or up: a grouped matmul, or columns ``[start, stop)`` of its output."""
+
+    node: fx.Node  # what the activation or the gate multiply reads
+    mm: GroupedMM
+    start: int | None = None
+    stop: int | None = None
+
+    @property
+    def sliced(self) -> bool:
+        return self.start is not None
+
+    @property
+    def width(self):
+        return self.stop - self.start if self.sliced else self.mm.out_features
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMLP:
+    down: GroupedMM
+    mul: fx.Node
+    act: G.Activation
+    gate: GroupedProjection
+    up: GroupedProjection
+    region: frozenset[fx.Node]  # every node the op replaces, ``down.node`` included
+
+    @property
+    def x(self) -> fx.Node:
+        return self.gate.mm.input
+
+    @property
+    def fused(self) -> bool:
+        return self.gate.mm.node is self.up.mm.node
+
+
+# ------------------------------------------------------------------------------------------------------ find
+
+
+def is_grouped_mm_call(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    names = {str(node.target), str(getattr(node.target, "__name__", ""))}
+    return any(n == t or n.endswith(("." + t, "::" + t)) for n in names for t in _GROUPED_MM)
+
+
+def as_grouped_mm(node: object) -> GroupedMM | None:
+    """A grouped matmul of 2-D rows by 3-D stacked weights with offsets, no bias, no output cast."""
+    if not isinstance(node, fx.Node) or not is_grouped_mm_call(node):
+        return None
+    a = G.arg(node, 0, "mat_a", node.kwargs.get("input", node.kwargs.get("self")))
+    b = G.arg(node, 1, "mat_b", node.kwargs.get("weight", node.kwargs.get("mat2")))
+    offs = G.arg(node, 2, "offs")
+    extra = {k: v for k, v in node.kwargs.items() if k not in ("mat_a", "mat_b", "input", "weight", "self", "mat2")}
+    extra.pop("offs", None)
+    if any(v is not None for v in (*node.args[3:], *extra.values())):
+        return None  # a bias or an out_dtype
+    if not all(isinstance(t, fx.Node) for t in (a, b, offs)):
+        return None
+    if len(G.shape(a) or ()) != 2 or len(G.shape(b) or ()) != 3 or len(G.shape(offs) or ()) != 1:
+        return None
+    return GroupedMM(node, a, b, offs)
+
+
+def as_gathered_mm(node: object) -> GroupedMM | None:
+    """``bmm(W[ids], x.unsqueeze(-1)).squeeze(-1)``: each row of x [S, K] times its expert's weight W[ids[s]]
+    [N, K] (W a stacked [E, N, K] graph input, ids [S] integer), HF's ``batched_mm`` experts."""
+    if not isinstance(node, fx.Node) or G.op(node) != "squeeze" or len(node.args) != 2 or node.kwargs:
+        return None
+    mm = node.args[0]
+    if not isinstance(mm, fx.Node) or G.op(mm) != "matmul" or len(mm.args) != 2 or mm.kwargs or len(mm.users) != 1:
+        return None  # torch.bmm reads as matmul
+    w, v = mm.args
+    if not _gathered_expert_weight(w) or not isinstance(v, fx.Node) or G.op(v) != "unsqueeze" or len(v.args) != 2:
+        return None
+    x = v.args[0]
+    s, x_shape = G.shape(node), G.shape(x)
+    if not isinstance(x, fx.Node) or x_shape is None or len(x_shape) != 2 or s is None or len(s) != 2:
+        return None
+    if G.normalize_dim(node.args[1], 3) != 2 or G.normalize_dim(v.args[1], 3) != 2:
+        return None
+    return GroupedMM(node, x, w.args[0], w.args[1], form="gathered")
+
+
+def as_expert_mm(node: object) -> GroupedMM | None:
+    return as_grouped_mm(node) or as_gathered_mm(node)
+
+
+def as_grouped_projection(node: object) -> GroupedProjection | None:
+    if not isinstance(node, fx.Node):
+        return None
+    node = dense._plus_zero(node)
+    mm = as_expert_mm(node)
+    if mm is not None:
+        return GroupedProjection(node, mm)
+    part = G.as_last_dim_slice(node)
+    mm = as_expert_mm(part.source) if part is not None else None
+    if mm is not None:
+        return GroupedProjection(node, mm, part.start, part.stop)
+    return None
+
+
+def match(node: fx.Node) -> GroupedMLP | str | None:
+    """A gated expert MLP ending in the grouped matmul ``node`` (its down projection); a reason when ``node`` is the
+    down projection of experts this pass cannot tile; None when ``node`` is not a grouped matmul read as a down
+    projection (e.g. the gate/up projection itself)."""
+    down = as_expert_mm(node)
+    if down is None and is_grouped_mm_call(node):
+        return "grouped_mm with a bias, an out_dtype, or operands other than [S, K] rows, [E, K, N] weights, offs"
+    if down is None:
+        return None
+    h = G.strip_casts(down.input)
+    if as_grouped_projection(h) is not None:
+        return None
+    act = G.as_activation(h)
+    if act is not None and as_grouped_projection(act.input) is not None:
+        return f"experts not gated: down({act.kind}(grouped_mm(x))) has no gate multiply (nothing to tile)"
+    if G.op(h) != "mul":
+        return None  # not a down projection (a gate/up projection of the routed rows, or another grouped matmul)
+    if len(h.args) != 2 or h.kwargs or not all(isinstance(t, fx.Node) for t in h.args):
+        return f"the down grouped_mm's input {h.name} is a product with a constant, not act(gate) * up"
+    a, b = h.args
+    reasons = []
+    for factor, other in ((a, b), (b, a)):
+        act = G.as_activation(factor)
+        if act is None:
+            continue
+        gate, up = as_grouped_projection(act.input), as_grouped_projection(other)
+        if gate is None:
+            reasons.append(f"the activation's input {act.input.name} is not a grouped_mm (gate projection)")
+        elif up is None:
+            reasons.append(f"the factor {other.name} beside {act.kind}(gate) is not a grouped_mm (up projection)")
+        else:
+            return GroupedMLP(down, h, act, gate, up, _region(node, down, gate, up))
+    if reasons:
+        return reasons[0]
+    return f"gate multiply of the down grouped_mm: neither factor is {'/'.join(dense.ACTIVATIONS)} of a grouped_mm"
+
+
+def _region(end: fx.Node, down: GroupedMM, gate: GroupedProjection, up: GroupedProjection) -> frozenset[fx.Node]:
+    """The nodes between the MLP's inputs (rows, offsets, weights) and ``end``."""
+    leaves = {gate.mm.input, up.mm.input, gate.mm.weight, up.mm.weight, down.weight}
+    leaves |= {gate.mm.offs, up.mm.offs, down.offs}
+    region, todo = set(), [end]
+    while todo:
+        n = todo.pop()
+        if n in region or n in leaves:
+            continue
+        region.add(n)
+        if n.op not in ("placeholder", "get_attr"):
+            todo += G.tensor_args(n)
+    return frozenset(region)
+
+
+def _projections_read_by(down: fx.Node) -> set[fx.Node]:
+    """The expert matmuls that the down projection ``down`` reads as act(p), p, or the factors of a product."""
+    mm = as_expert_mm(down)
+    h = G.strip_casts(mm.input if mm is not None else G.arg(down, 0, "mat_a"))
+    near = [h, *(h.args if isinstance(h, fx.Node) and G.op(h) == "mul" else ())]
+    found = set()
+    for t in near:
+        act = G.as_activation(t) if isinstance(t, fx.Node) else None
+        p = as_grouped_projection(act.input if act is not None else t)
+        if p is not None:
+            found |= {p.mm.node, *G.tensor_args(p.mm.node)} if p.mm.form == "gathered" else {p.mm.node}
+    return found
+
+
+def as_batched_expert_down(node: fx.Node) -> bool:
+    """``bmm(W[ids], h.unsqueeze(-1))`` (or ``bmm(h.unsqueeze(1), W[ids])``) with ``W`` a stacked [E, ...] graph
+    input gathered per row and ``h`` a product: the down projection of HF's ``batched_mm`` experts."""
+    if G.op(node) != "matmul" or len(node.args) < 2:  # torch.bmm reads as matmul
+        return False
+    gathered = vector = None
+    for w, v in (node.args[:2], node.args[1::-1]):
+        if _gathered_expert_weight(w):
+            gathered, vector = w, v
+    if gathered is None or not isinstance(vector, fx.Node) or G.op(vector) != "unsqueeze":
+        return False
+    h = G.strip_casts(vector.args[0])
+    return isinstance(h, fx.Node) and G.op(h) == "mul"
+
+
+def _gathered_expert_weight(node: object) -> bool:
+    if not isinstance(node, fx.Node) or G.op(node) != "getitem" or not isinstance(node.args[0], fx.Node):
+        return False
+    src, index = node.args
+    return (
+        G.graph_input(src) is not None
+        and len(G.shape(src) or ()) == 3
+        and isinstance(index, fx.Node)
+        and not (G.dtype(index) or torch.float32).is_floating_point
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- check
+
+
+def check_enabled(m: GroupedMLP, on: bool) -> str | None:
+    return None if on else "mlp_experts=0: MoE expert tiling is switched off (TILECOMPILE_MLP_EXPERTS)"
+
+
+def check_same_rows(m: GroupedMLP) -> str | None:
+    forms = {m.gate.mm.form, m.up.mm.form, m.down.form}
+    if len(forms) != 1:
+        return f"the projections mix grouped_mm and gathered-weight bmm ({', '.join(sorted(forms))})"
+    if m.gate.mm.input is not m.up.mm.input:
+        return f"gate reads {m.gate.mm.input.name} but up reads {m.up.mm.input.name} (must be the same rows)"
+    offs = {m.gate.mm.offs, m.up.mm.offs, m.down.offs}
+    if len(offs) != 1:
+        return f"the projections read different offsets / expert ids ({', '.join(sorted(o.name for o in offs))})"
+    return None
+
+
+def check_weights_are_inputs(m: GroupedMLP) -> str | None:
+    for role, mm in (("gate", m.gate.mm), ("up", m.up.mm), ("down", m.down)):
+        if G.graph_input(mm.weight) is None:
+            return f"{role} weight {mm.weight.name} is computed in the graph, not a graph input (parameter)"
+    return None
+
+
+def check_inside_region(m: GroupedMLP) -> str | None:
+    for n in m.region - {m.down.node}:
+        if n.op in ("placeholder", "get_attr"):
+            return f"{n.name} reached through the experts is an input other than the rows, offsets and weights"
+        outside = G.users_outside(n, m.region)
+        if outside:
+            return f"intermediate {n.name} is also used outside the experts (by {', '.join(u.name for u in outside)})"
+    return None
+
+
+def check_shapes(m: GroupedMLP) -> str | None:
+    mms = (m.gate.mm, m.up.mm, m.down)
+    x, y = G.shape(m.x), G.shape(m.down.node)
+    g, u, h = (G.shape(n) for n in (m.gate.node, m.up.node, m.mul))
+    ws = [G.shape(mm.weight) for mm in mms]
+    if None in (x, y, g, u, h, *ws) or None in (G.shape(mm.offs) for mm in mms):
+        return "missing example values (shapes unknown)"
+    if not (G.same_shape(g, u) and G.same_shape(g, h)):
+        return f"gate {list(g)} and up {list(u)} outputs differ from their product {list(h)} (broadcasting)"
+    shown = f"rows {list(x)}, gate {list(ws[0])}, up {list(ws[1])}, down {list(ws[2])}"
+    inter = m.gate.width
+    if not all(G.same_size(w[0], ws[0][0]) for w in ws[1:]):
+        return f"the projections have different numbers of experts: {shown}"
+    if not all(G.same_size(mm.in_features, x[1]) for mm in mms[:2]) or not G.same_size(m.down.in_features, inter):
+        return f"shapes do not chain: {shown}"
+    if not G.same_size(m.up.width, inter) or not G.same_shape(y, (x[0], m.down.out_features)):
+        return f"shapes do not chain: {shown} -> out {list(y)}"
+    per = ws[0][0] if m.down.form == "grouped" else x[0]  # offsets: one per expert; expert ids: one per row
+    if not G.same_shape(G.shape(m.down.offs), (per,)):
+        return f"{'offsets' if m.down.form == 'grouped' else 'expert ids'} {list(G.shape(m.down.offs))} for {shown}"
+    return None
+
+
+def check_dtypes(m: GroupedMLP) -> str | None:
+    # grouped_mm is not an autocast op: every value in the region has the weights' dtype or the op would change it
+    computed = [n for n in m.region if isinstance(G.example_value(n), torch.Tensor) and G.graph_input(n) is None]
+    weights = (m.gate.mm.weight, m.up.mm.weight, m.down.weight)
+    inner = {G.dtype(n) for n in (m.x, *weights, *computed)}
+    if len(inner) != 1 or None in inner:
+        return f"mixed dtypes inside the experts ({', '.join(sorted(str(d) for d in inner))}): casts the op would drop"
+    if not inner.pop().is_floating_point:
+        return "the experts do not compute in a floating-point dtype"
+    return None
+
+
+def check_min_rows(m: GroupedMLP, min_tokens: int) -> str | None:
+    if not min_tokens:
+        return None
+    rows = (G.shape(m.x) or (None,))[0]
+    if rows is None:
+        return None
+    try:
+        below = bool(rows < min_tokens)  # a symbolic count adds a guard, as the dense MLP's check does
+    except Exception:  # noqa: BLE001 - an unbacked size: the hint decides (if there is one)
+        hint = G.hint(rows)
+        below = hint is not None and hint < min_tokens
+    if below:
+        return f"{G.hint(rows)} routed rows < mlp_min_tokens={min_tokens}: tiling would only cost time"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------- rewrite
+
+
+def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> R.Rewrite:
+    graph, end = gm.graph, m.down.node
+    fake_mode = getattr(G.example_value(end), "fake_mode", None) or contextlib.nullcontext()
+    stack = dense._common_stack(m.region)
+    new_nodes: list[fx.Node] = []
+
+    def add(target, *args, method: bool = False, **kwargs) -> fx.Node:
+        """A new node, and its value from the example values of its operands (under the graph's fake mode)."""
+        node = (graph.call_method if method else graph.call_function)(target, args, kwargs)
+        new_nodes.append(node)
+        values = [G.example_value(a) if isinstance(a, fx.Node) else a for a in args]
+        kw = {k: G.example_value(v) if isinstance(v, fx.Node) else v for k, v in kwargs.items()}
+        with fake_mode:
+            value = getattr(values[0], target)(*values[1:], **kw) if method else target(*values, **kw)
+        expect(node, value)
+        node.meta["example_value"] = value
+        return node
+
+    def weight(p: GroupedProjection) -> fx.Node:
+        w = p.mm.weight if p.mm.form == "grouped" else add("transpose", p.mm.weight, -2, -1, method=True)
+        return add(operator.getitem, w, (Ellipsis, slice(p.start, p.stop))) if p.sliced else w
+
+    s = ctx.settings
+    with graph.inserting_before(end):
+        gate_w, up_w = weight(m.gate), weight(m.up)
+        down_w = m.down.weight if m.down.form == "grouped" else add("transpose", m.down.weight, -2, -1, method=True)
+        x, offsets = m.x, m.down.offs
+        if m.down.form == "gathered":  # rows in expert order, their cumulative counts; back to row order after
+            ids, experts = m.down.offs, dense._size(G.shape(m.down.weight)[0])
+            perm = add(torch.argsort, ids, stable=True)
+            zeros, ones = add("new_zeros", ids, (experts,), method=True), add(torch.ones_like, ids)
+            counts = add("scatter_add", zeros, 0, ids, ones, method=True)
+            offsets = add(torch.cumsum, counts, 0)
+            x = add(operator.getitem, m.x, perm)
+        args = (x, offsets, gate_w, up_w, down_w, m.act.kind, s.mlp_chunk_tokens, s.mlp_chunk_budget_mb)
+        tiled = add(torch.ops.tilecompile.tiled_grouped_mlp.default, *args, s.mlp_grad_accum)
+        out = tiled
+        if m.down.form == "gathered":
+            out = add(operator.getitem, tiled, add(torch.argsort, perm))
+    for node in new_nodes:
+        if stack:
+            node.meta["nn_module_stack"] = dict(stack)
+        if "stack_trace" in end.meta:
+            node.meta["stack_trace"] = end.meta["stack_trace"]
+    expect(out, G.example_value(end))
+    end.replace_all_uses_with(out)
+    dense._erase_dead(graph, m.region)
+    return _record(m, s)
+
+
+def _record(m: GroupedMLP, s) -> R.Rewrite:
+    """Shapes of the op's operands ([E, in, out]), and of the stacked gate_up parameter as it is stored."""
+    experts = G.shape(m.down.weight)[0]
+    shapes = {"x": G.shape(m.x), "out": G.shape(m.down.node)}
+    for role, p in (("gate", m.gate), ("up", m.up)):
+        shapes[f"{role}_weight"] = (experts, p.mm.in_features, p.width)
+    shapes["down_weight"] = (experts, m.down.in_features, m.down.out_features)
+    if m.fused:
+        shapes["gate_up_weight"] = G.shape(G.graph_input(m.gate.mm.weight))
+    shapes = {k: tuple(dense._size(i) for i in v) for k, v in shapes.items()}
+    compute = str(G.dtype(m.down.node))
+    dtypes = {"x": str(G.dtype(m.x)), "weight": str(G.dtype(m.down.weight)), "compute": compute}
+    rows = (
+        f"rows=grouped (offsets {m.down.offs.name})"
+        if m.down.form == "grouped"
+        else f"rows=gathered (expert ids {m.down.offs.name}, sorted into groups)"
+    )
+    detail = (
+        f"experts={dense._size(experts)} {rows} activation={m.act.kind} fused={'gate_up' if m.fused else 'no'} "
+        f"chunk_tokens={s.mlp_chunk_tokens or 'auto'} budget_mb={s.mlp_chunk_budget_mb} grad_accum={s.mlp_grad_accum}"
+    )
+    return R.Rewrite(NAME, dense._path(m.region), shapes, dtypes, detail)
+
+
+# ------------------------------------------------------------------------------------------------------- run
+
+
+def run(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: dict, markers: list[int]) -> bool:
+    """The grouped expert MLPs of ``gm`` into tiled ops (or reasons) in ``result``; whether the graph changed."""
+    changed = False
+    covered: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node not in order:
+            continue
+        m = match(node)
+        if m is None:
+            continue
+        candidate = f"expert down projection {G.module_path(node) or node.name}"
+        result.consider(node, candidate)
+        reason = m if isinstance(m, str) else None
+        if reason is None:
+            covered |= m.region
+            checks = (
+                lambda m: check_enabled(m, ctx.settings.mlp_experts),
+                check_same_rows,
+                check_weights_are_inputs,
+                check_inside_region,
+                check_shapes,
+                check_dtypes,
+                lambda m: dense.check_no_autocast_edge(m, order, markers),
+                lambda m: check_min_rows(m, ctx.settings.mlp_min_tokens),
+            )
+            reason = next((r for r in (c(m) for c in checks) if r), None)
+        else:
+            # one reason for the experts, not one per expert matmul
+            covered |= {node, *G.tensor_args(node), *_projections_read_by(node)}
+        if reason is not None:
+            path = dense._path(m.region) if isinstance(m, GroupedMLP) else dense._path([node])
+            result.skip(node, R.Skip(NAME, candidate, path, reason))
+            continue
+        result.rewrote(node, rewrite(gm, m, ctx))
+        order.update({n: order[node] for n in gm.graph.nodes if n not in order})
+        changed = True
+    for node in list(gm.graph.nodes):  # expert matmuls no expert MLP took (or explained): a reason each
+        if node in covered or node not in order:
+            continue
+        if is_grouped_mm_call(node):
+            candidate = f"grouped_mm {G.module_path(node) or node.name}"
+            reason = "grouped_mm not read as the gate/up or down projection of a gated expert MLP: not tiled"
+        elif as_batched_expert_down(node):
+            candidate = f"expert down projection {G.module_path(node) or node.name}"
+            reason = (
+                "MoE experts as batched matmuls of per-row gathered expert weights in a form not read "
+                "(bmm(W[ids], h.unsqueeze(-1)).squeeze(-1) is): not tiled"
+            )
+        else:
+            continue
+        result.consider(node, candidate)
+        result.skip(node, R.Skip(NAME, candidate, dense._path([node]), reason))
+    return changed

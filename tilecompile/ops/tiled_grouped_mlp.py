@@ -1,0 +1,268 @@
+"""Tiled grouped (MoE expert) gated MLP: per expert, ``y = act(x Wg[e]) * (x Wu[e]) Wd[e]`` over token chunks.
+
+The rows of ``x`` [S, D] are grouped by expert, as ``grouped_mm`` takes them: ``offsets`` [E] holds the cumulative
+row counts (``offsets[e]`` ends expert ``e``'s rows; an expert with no rows has ``offsets[e] == offsets[e - 1]``).
+The weights are in ``grouped_mm``'s layout, ``[E, in, out]`` (``x @ W[e]``): gate and up [E, D, I], down
+[E, I, D_out]. Rows at or past ``offsets[-1]`` belong to no expert: their output (and their dx) is zero
+(``grouped_mm`` leaves them undefined; HF's fallback zeros them).
+
+Forward, for each expert and each chunk of its rows: ``g = xc Wg[e]``, ``u = xc Wu[e]``, ``h = act(g) * u``,
+``y = h Wd[e]``. Saved for backward: ``x``, ``offsets`` and the weights, never an [S, I] tensor.
+
+Backward (``tilecompile::tiled_grouped_mlp_backward``), per expert and chunk: recompute ``g`` and ``u``, then
+
+    dh = dy Wd[e]ᵀ                 dWd[e] += hᵀ dy
+    du = dh * act(g)               dWu[e] += xcᵀ du
+    dg = dh * u * act'(g)          dWg[e] += xcᵀ dg
+    dx = du Wu[e]ᵀ + dg Wg[e]ᵀ
+
+Weight grads accumulate across chunks in fp32 (``grad_accum="fp32"``; fp64 stays fp64) or in the parameter dtype
+(``"param"``) and are returned from the backward op, one per weight input (gate and up may be two views of one
+stacked ``gate_up`` parameter: autograd sums both into it), so ``AccumulateGrad`` sees ordinary grads.
+
+Live memory per chunk: four [chunk, I] tensors in the compute dtype, as the dense op (tilecompile/ops/tiled_mlp.py,
+whose ``chunk_size_for`` sizes the chunk from ``budget_mb``).
+
+Dtypes: like ``grouped_mm`` (which is not an autocast op), the op computes in its inputs' one dtype and has no
+autocast kernel; HF casts ``x`` to the weights' dtype before each ``grouped_mm``, and the graph keeps that cast.
+
+Devices: CPU and CUDA share this chunked PyTorch code (no Triton kernel yet). Reading the expert boundaries takes
+``offsets.tolist()``, one host sync per call on CUDA (HF's ``grouped_mm_fallback`` does the same). No claim of GPU
+speed is made for this path: it trades time (a per-expert loop of small GEMMs) for memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tilecompile.kernels import tiled_mlp as K
+from tilecompile.ops.tiled_mlp import ACTIVATIONS, GRAD_ACCUM, _accumulate_mm, chunk_size_for
+
+__all__ = ["tiled_grouped_mlp"]
+
+
+def _check(
+    x: Tensor,
+    offsets: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    activation: str,
+    chunk_tokens: int,
+    budget_mb: int,
+    grad_accum: str,
+) -> None:
+    name = "tiled_grouped_mlp"
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if grad_accum not in GRAD_ACCUM:
+        raise ValueError(f"{name}: grad_accum must be one of {GRAD_ACCUM}, got {grad_accum!r}")
+    if chunk_tokens < 0:
+        raise ValueError(f"{name}: chunk_tokens must be >= 0, got {chunk_tokens}")
+    if chunk_tokens == 0 and budget_mb <= 0:
+        raise ValueError(f"{name}: budget_mb must be > 0 when chunk_tokens is 0, got {budget_mb}")
+    if x.dim() != 2 or gate_weight.dim() != 3 or up_weight.dim() != 3 or down_weight.dim() != 3:
+        raise ValueError(f"{name}: x must be [S, D] and the weights [E, in, out]")
+    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: offsets must be a 1-D int32/int64 tensor, got {offsets.dtype} {offsets.shape}")
+    e, d, i = gate_weight.shape
+    if (
+        tuple(up_weight.shape) != (e, d, i)
+        or down_weight.shape[:2] != (e, i)
+        or x.shape[1] != d
+        or offsets.shape[0] != e
+    ):
+        raise ValueError(
+            f"{name}: shapes do not chain: x {tuple(x.shape)}, offsets {tuple(offsets.shape)}, gate "
+            f"{tuple(gate_weight.shape)}, up {tuple(up_weight.shape)}, down {tuple(down_weight.shape)}"
+        )
+    if len({t.dtype for t in (x, gate_weight, up_weight, down_weight)}) != 1:
+        raise ValueError(
+            f"{name}: x and the weights must share one dtype (as grouped_mm's operands), got "
+            f"{[t.dtype for t in (x, gate_weight, up_weight, down_weight)]}"
+        )
+
+
+def _bounds(offsets: Tensor, rows: int) -> list[tuple[int, int]]:
+    """(start, stop) rows of each expert, read from the cumulative ``offsets``."""
+    ends = [int(v) for v in offsets.tolist()]
+    starts = [0, *ends[:-1]]
+    if any(b < a for a, b in zip(starts, ends)) or (ends and (ends[0] < 0 or ends[-1] > rows)):
+        raise ValueError(f"tiled_grouped_mlp: offsets must be non-decreasing in [0, {rows}], got {ends}")
+    return list(zip(starts, ends))
+
+
+def _chunk(rows: int, intermediate: int, dtype: torch.dtype, chunk_tokens: int, budget_mb: int) -> int:
+    return chunk_tokens if chunk_tokens > 0 else chunk_size_for(rows, intermediate, dtype, budget_mb)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward op
+
+
+@torch.library.custom_op("tilecompile::tiled_grouped_mlp", mutates_args=())
+def _tiled_grouped_mlp_op(
+    x: Tensor,
+    offsets: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    activation: str,
+    chunk_tokens: int = 0,
+    budget_mb: int = 256,
+    grad_accum: str = "fp32",
+) -> Tensor:
+    _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum)
+    n, i, d_out = x.shape[0], gate_weight.shape[2], down_weight.shape[2]
+    out = x.new_zeros((n, d_out))  # rows past offsets[-1] belong to no expert: zero
+    bounds = _bounds(offsets, n)
+    chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
+    g_buf = x.new_empty((min(chunk, n), i))
+    u_buf = x.new_empty((min(chunk, n), i))
+    for e, (lo, hi) in enumerate(bounds):
+        wg, wu, wd = gate_weight[e], up_weight[e], down_weight[e]
+        for s in range(lo, hi, chunk):
+            t = min(s + chunk, hi)
+            xc, g, u = x[s:t], g_buf[: t - s], u_buf[: t - s]
+            torch.mm(xc, wg, out=g)
+            torch.mm(xc, wu, out=u)
+            K.act_into(g, g, activation).mul_(u)
+            torch.mm(g, wd, out=out[s:t])
+    return out
+
+
+@_tiled_grouped_mlp_op.register_fake
+def _(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens=0, budget_mb=256, grad_accum="fp32"):
+    _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum)
+    return x.new_empty((x.shape[0], down_weight.shape[2]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backward op. needs_grad = [x, gate_weight, up_weight, down_weight]; a grad not needed comes back as an empty
+# placeholder tensor, turned into None by the autograd wiring.
+
+
+@torch.library.custom_op("tilecompile::tiled_grouped_mlp_backward", mutates_args=())
+def _tiled_grouped_mlp_backward_op(
+    grad_out: Tensor,
+    x: Tensor,
+    offsets: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    activation: str,
+    chunk_tokens: int,
+    budget_mb: int,
+    grad_accum: str,
+    needs_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    need_x, need_wg, need_wu, need_wd = ([bool(v) for v in needs_grad] + [False] * 4)[:4]
+    n, i = x.shape[0], gate_weight.shape[2]
+
+    def acc_dtype(p: Tensor) -> torch.dtype:
+        return p.dtype if grad_accum == "param" else torch.promote_types(torch.float32, p.dtype)
+
+    def acc_for(p: Tensor, wanted: bool) -> Tensor | None:
+        return torch.zeros(p.shape, device=p.device, dtype=acc_dtype(p)) if wanted else None
+
+    acc_wg, acc_wu, acc_wd = acc_for(gate_weight, need_wg), acc_for(up_weight, need_wu), acc_for(down_weight, need_wd)
+    dx = x.new_zeros(x.shape) if need_x else None  # rows past offsets[-1] get no gradient
+    need_du = need_x or need_wu
+    need_dg = need_x or need_wg
+    if n > 0 and (need_wd or need_du or need_dg):
+        bounds = _bounds(offsets, n)
+        chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
+        rows = min(chunk, n)
+        g_buf, u_buf, dh_buf, t_buf = (x.new_empty((rows, i)) for _ in range(4))
+        for e, (lo, hi) in enumerate(bounds):
+            wg, wu, wd = gate_weight[e], up_weight[e], down_weight[e]
+            for s in range(lo, hi, chunk):
+                t = min(s + chunk, hi)
+                xc, dyc = x[s:t], grad_out[s:t]
+                g, u, dh, tmp = (b[: t - s] for b in (g_buf, u_buf, dh_buf, t_buf))
+                torch.mm(xc, wg, out=g)
+                torch.mm(xc, wu, out=u)
+                torch.mm(dyc, wd.t(), out=dh)
+                if need_wd:
+                    h = K.act_into(g, tmp, activation).mul_(u)
+                    _accumulate_mm(acc_wd[e], h.t(), dyc)
+                if need_du:
+                    du = K.act_into(g, tmp, activation).mul_(dh)
+                    if need_wu:
+                        _accumulate_mm(acc_wu[e], xc.t(), du)
+                    if need_x:
+                        torch.mm(du, wu.t(), out=dx[s:t])
+                if need_dg:
+                    dg = K.act_backward_into(u.mul_(dh), g, u, activation)
+                    if need_wg:
+                        _accumulate_mm(acc_wg[e], xc.t(), dg)
+                    if need_x:
+                        dx[s:t].addmm_(dg, wg.t())
+        del g_buf, u_buf, dh_buf, t_buf
+
+    def finish(acc: Tensor | None, p: Tensor) -> Tensor:
+        if acc is None:
+            return x.new_empty((0,))
+        return acc if acc.dtype == p.dtype else acc.to(p.dtype)
+
+    g_wd, acc_wd = finish(acc_wd, down_weight), None
+    g_wu, acc_wu = finish(acc_wu, up_weight), None
+    g_wg, acc_wg = finish(acc_wg, gate_weight), None
+    return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd
+
+
+@_tiled_grouped_mlp_backward_op.register_fake
+def _(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, accum, needs):
+    needs = ([bool(v) for v in needs] + [False] * 4)[:4]
+    like = (x, gate_weight, up_weight, down_weight)
+    return tuple(t.new_empty(t.shape) if need else x.new_empty((0,)) for need, t in zip(needs, like))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# autograd wiring
+
+
+def _setup_context(ctx, inputs, output):
+    x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum = inputs
+    ctx.save_for_backward(x, offsets, gate_weight, up_weight, down_weight)
+    ctx.settings = (activation, chunk_tokens, budget_mb, grad_accum)
+
+
+def _backward(ctx, grad_out):
+    x, offsets, gate_weight, up_weight, down_weight = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    needs = [n[0], n[2], n[3], n[4]]
+    if not any(needs):
+        return (None,) * 9
+    grads = torch.ops.tilecompile.tiled_grouped_mlp_backward(
+        grad_out.contiguous(), x, offsets, gate_weight, up_weight, down_weight, *ctx.settings, needs
+    )
+    gx, gwg, gwu, gwd = (g if need else None for g, need in zip(grads, needs))
+    return gx, None, gwg, gwu, gwd, None, None, None, None
+
+
+_tiled_grouped_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public Python entry
+
+
+def tiled_grouped_mlp(
+    x: Tensor,
+    offsets: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    *,
+    activation: str = "silu",
+    chunk_tokens: int = 0,
+    budget_mb: int = 256,
+    grad_accum: str = "fp32",
+) -> Tensor:
+    """Per expert ``e``, rows ``offsets[e-1]:offsets[e]`` of ``x`` [S, D] through ``act(x Wg[e]) * (x Wu[e]) @ Wd[e]``
+    in token chunks; weights [E, in, out] as ``grouped_mm`` takes them. See the module docstring."""
+    return torch.ops.tilecompile.tiled_grouped_mlp(
+        x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum
+    )
