@@ -192,8 +192,8 @@ def test_fused_forward_matches_trl():
 
 @needs_trl
 def test_grpo_trainer(tmp_path, caplog):
-    """TRL's GRPOTrainer, 3 steps: the training forward compiled (generation is not), equal to TRL's, no recompile
-    limit hit."""
+    """TRL's GRPOTrainer, 3 steps with gradient checkpointing: the training forward compiled (generation is not),
+    equal to TRL's, no recompile limit hit, no recompile a step."""
     g = torch.Generator().manual_seed(2)
     prompts = [" ".join(f"w{int(i)}" for i in torch.randint(0, V - 3, (3 + k % 4,), generator=g)) for k in range(8)]
     data = datasets.Dataset.from_dict({"prompt": prompts})
@@ -204,7 +204,7 @@ def test_grpo_trainer(tmp_path, caplog):
     def run(compiled: bool, bf16: bool):
         args = trl.GRPOConfig(
             **{**common_args(bf16), "output_dir": str(tmp_path)},
-            num_generations=4, max_completion_length=6, beta=0.0,
+            num_generations=4, max_completion_length=6, beta=0.0, gradient_checkpointing=True,
         )  # fmt: skip
         trainer = trl.GRPOTrainer(
             model=qwen2(), reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer()
@@ -223,7 +223,8 @@ def test_grpo_trainer(tmp_path, caplog):
         assert_same_logs(got, eager, 2e-3 if bf16 else 1e-5)
         assert "recompile_limit" not in caplog.text and "cache_size_limit" not in caplog.text, caplog.text
         graphs = tilecompile.report().graphs
-        assert 1 <= graphs <= 4, str(tilecompile.report())
+        # checkpointing toggled around each generation: one more graph a step if HF's input hooks piled up (3 here)
+        assert 1 <= graphs <= 2, str(tilecompile.report())
         assert_report(graphs, "log-prob, entropy")
 
 

@@ -79,8 +79,30 @@ def compile_trainer(trainer: Any, *, backend: Any = "tilecompile", options: dict
     if not patched:
         _patch_compute_loss(trainer, compile_kwargs)
         patched.append("compute_loss")
+    model = getattr(trainer, "model", None)
+    if model is not None:
+        _keep_one_input_hook(model.get_base_model() if hasattr(model, "get_base_model") else model)
     trainer._tilecompile = tuple(patched)
     return trainer
+
+
+def _keep_one_input_hook(model: torch.nn.Module) -> None:
+    """HF's gradient-checkpointing enable registers one more forward hook on the input embeddings at every call
+    (``enable_input_require_grads``) and its disable removes them only under PEFT; TRL's GRPO disables and re-enables
+    checkpointing around each generation, so the hooks pile up (two a step) and the compiled forward's guard on
+    their number fails: one more compile every step (transformers 5.17 and 5.24). Here each enable removes the
+    previous hook first, so one stays."""
+    enable = getattr(model, "enable_input_require_grads", None)
+    disable = getattr(model, "disable_input_require_grads", None)
+    if not callable(enable) or not callable(disable):
+        return
+
+    def enable_once(*args: Any, **kwargs: Any) -> Any:
+        if getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None) is not None:
+            disable()
+        return enable(*args, **kwargs)
+
+    model.enable_input_require_grads = enable_once
 
 
 # ------------------------------------------------------------------ HF Trainer: the loss with the forward
