@@ -69,6 +69,12 @@ CE_HEADS = {
     "label_smoothing": (True, False),  # F.cross_entropy(label_smoothing=0.1)
     "class_weights": (True, False),  # F.cross_entropy(weight=w), w ~ U(0.5, 1.5)
 }
+# heads whose grads are log-probs' alone (onehot − p times the output grad): no entropy's p·(z − E z)
+_LOGP_ONLY_HEADS = {
+    "log_softmax_gather", "take_along_dim", "gather_minus_logsumexp", "neg_ce_none", "trl_selective", "ce_mean",
+    "ce_sum", "nll_mean", "nll_mean_reshaped_logp", "logits_returned", "argmax_too", "bias", "lse_alone",
+    "label_smoothing", "class_weights", "logp_lse_buffer", "buffer_read_early", "computed_weight",
+}  # fmt: skip
 CE_ROW_PARTS = ("entropy_split_cat", "logp_lse_buffer", "chunk_cat_with_labels", "entropy_rows_copy", "parts_gap",
                 "buffer_read_early")  # fmt: skip
 # near-misses: each computes something from the logits the fused op cannot (or must not) replace
@@ -174,6 +180,28 @@ class LMHead(nn.Module):
             z = z / t
         return z
 
+    def _grad_term_sizes(self, h: torch.Tensor, z: torch.Tensor) -> dict[str, float]:
+        """The size to judge the lm_head's input and parameter grads by: the fused op recomputes the logits in its
+        backward and takes p = exp(z − lse) from them, so p carries an error of the logits' size in its exponent,
+        eps · max|z| · p, however small what is left of onehot − p (a confident row: 1 − p_y ~ 1e-4 while p_y
+        rounds with 1); an entropy's grad p·(z − E z) multiplies that by up to 2 max|z|. Through ∂z/∂h = W / t
+        (and h / t for W, summed over the rows): found by the long profile, a bias and a tensor temperature over
+        a confident row, the op's grad h 1.8e-7 off float64 where eager's was 1.9e-8 (bar 3.8e-8)."""
+        finite = z.detach()[torch.isfinite(z.detach())]
+        if not finite.numel():
+            return {}
+        zmax = float(finite.abs().max())
+        logp_only = self.spec.head in _LOGP_ONLY_HEADS
+        size = 1.5 * zmax * (1.0 if logp_only else 1.0 + 2.0 * zmax)  # 1.5: _loss's largest weight
+        t = self.spec.t if self.spec.temperature != "none" else 1.0
+        rows = max(1, finite.numel() // max(1, z.shape[-1]))
+        hmax = float(h.detach().abs().nan_to_num(0.0, 0.0, 0.0).max()) if h.numel() else 0.0
+        wmax = float(self.lm_head.weight.detach().abs().max())
+        sizes = {"h": size * wmax / t, "lm_head.weight": rows * size * hmax / t}
+        if self.lm_head.bias is not None:
+            sizes["lm_head.bias"] = rows * size / t
+        return sizes
+
     def forward(self, h: torch.Tensor, labels: torch.Tensor, t: torch.Tensor | None = None) -> tuple:
         s = self.spec
         z = self.logits(h, t)
@@ -182,6 +210,7 @@ class LMHead(nn.Module):
             # lse − Σ p·z of a confident row, ~1e-3 of |z|) rounds with them
             finite = z.detach()[torch.isfinite(z.detach())]
             self.output_term_size = float(finite.abs().max()) if finite.numel() else 0.0
+            self.grad_term_sizes = self._grad_term_sizes(h, z)
         if s.shift:
             z, labels = z[:, :-1], labels[:, 1:]
         v, ii = z.shape[-1], s.ignore_index

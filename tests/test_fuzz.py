@@ -293,6 +293,9 @@ def execute(run: Run) -> tilecompile.Report:
                 if label == "ref" and getattr(module, "output_term_size", None) is not None:
                     for k in range(len(outs)):  # an lm_head's outputs: sums of terms of the logits' size
                         magnitudes.setdefault(f"output {k}", module.output_term_size)
+                if label == "ref" and getattr(module, "grad_term_sizes", None):  # its grads (LMHead says why)
+                    for k, size in module.grad_term_sizes.items():
+                        magnitudes.setdefault(f"grad {k}", size)
                 if not run.no_grad:
                     loss = _loss(outs, run.seed + call)
                     if loss.requires_grad:
@@ -460,7 +463,9 @@ def ce_cases(draw, *, near_miss: bool = False, row_parts: bool = False):
 # Cases the long run found, always run: an fp32 entropy grad of a confident token (a precision bug of the op, fixed),
 # and a bf16 temperature grad whose sum cancels to 0.4% of its terms (judged by the terms' size since); then an fp32
 # entropy of 8.8e-4 from logits of ~0.7: the op's lse − Σ p·z 9e-8 off float64, eager's −Σ p·log p 6e-9 (a bar of
-# 3.2e-8): outputs are judged with the logits' size since (``output_term_size``).
+# 3.2e-8): outputs are judged with the logits' size since (``output_term_size``). Then a bias and a tensor
+# temperature over one confident row (p_y = 0.99976): grad h 1.8e-7 off float64, eager's 1.9e-8, a bar of 3.8e-8:
+# the op's backward takes p from recomputed logits; grads are judged with the logits' size since (``grad_term_sizes``).
 _FOUND = [
     (
         CESpec("entropy_exp_logp", "module", "div", 0.3, False, False, -100, False),
@@ -486,6 +491,14 @@ _FOUND = [
         True,
         7921,
     ),
+    (
+        CESpec("trl_selective", "module", "tensor", 0.7, False, False, -100, False, chunk=1, bias="linear"),
+        CEInputs(4, 3, 0.0, 3.0, True, True, 0),
+        torch.float32,
+        Layout((1, 1)),
+        False,
+        65535,
+    ),
 ]
 
 
@@ -494,6 +507,7 @@ _FOUND = [
 @example(case=_FOUND[0])
 @example(case=_FOUND[1])
 @example(case=_FOUND[2])
+@example(case=_FOUND[3])
 def test_ce_spellings_match_eager(case):
     spec, ci, dtype, layout, no_grad, seed = case
     execute(ce_run(spec, ci, dtype, layout, no_grad, seed))
