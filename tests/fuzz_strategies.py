@@ -454,8 +454,19 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor, t: torch.Tensor | None = None) -> tuple:
         self.mlp.reference = self.head.reference = self.reference
-        h = x + self.mlp(x)[0]
+        y = self.mlp(x)[0]
+        if self.reference and y.requires_grad:
+            # the down projection's bias grad is Σ_n of the rows' output grads, which cancel (found by the long
+            # profile: fp16, terms ~0.3, sum 0.019; the op's 1.2e-4 off float64 is half a unit of the terms, eager
+            # happened on 3.7e-6, the bar from the sum 8.5e-5): judged by Σ_n |row grad|
+            self.grad_term_sizes = {}
+            y.register_hook(self._bias_terms)
+        h = x + y
         return self.head(h, labels, t)
+
+    def _bias_terms(self, g: torch.Tensor) -> None:
+        rows = g.detach().abs().nan_to_num(0.0, 0.0, 0.0).reshape(-1, g.shape[-1])
+        self.grad_term_sizes["mlp.down_proj.bias"] = float(rows.sum(0).max()) if rows.numel() else 0.0
 
 
 # ----------------------------------------------------------------------------------------------- inputs
