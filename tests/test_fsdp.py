@@ -84,7 +84,11 @@ def _train_fsdp(rank, model, halves, compiled, mp=None):
     opt = torch.optim.AdamW(head.parameters(), lr=LR, eps=EPS)
     torch._dynamo.reset()
     tilecompile.reset()
-    step = torch.compile(head, backend="tilecompile", options=compile_options()) if compiled else head
+    step = head
+    if compiled and mp is None:  # the README's layout: the head and each layer (LossHead.compile)
+        head.compile(backend="tilecompile", options=compile_options())
+    elif compiled:  # a plain torch.compile of the head: the layers' graphs come from Dynamo's graph breaks
+        step = torch.compile(head, backend="tilecompile", options=compile_options())
     out = []
     for _ in range(STEPS):
         opt.zero_grad()
@@ -331,3 +335,44 @@ def test_whole_step_under_fsdp2_reports_what_the_breaks_split(one_rank):
 def test_loss_head_needs_a_causal_lm():
     with pytest.raises(TypeError, match="LossHead needs a causal LM with get_decoder"):
         tilecompile.LossHead(torch.nn.Linear(2, 2), loss_fn)
+
+
+@pytest.mark.parametrize("layout", ["head.compile", "torch.compile(head)"])
+def test_losshead_without_a_mask_rewrites_every_layer(one_rank, layout):
+    """No attention_mask (one causal sequence a row): LossHead gives the layers the equal all-ones mask, so every
+    layer's attention is rewritten (HF would otherwise read its default positions as a packed-sequence mask built
+    before the first layer); the loss and every gradient equal eager FSDP2 without a mask."""
+    from helpers import assert_close, compile_options
+    from test_tensor_parallel import tiny
+    from torch.distributed.fsdp import fully_shard
+
+    def ce(logits, ids, mask):
+        assert mask is None  # the loss sees what the caller passed
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    model = tiny("qwen2", layers=LAYERS)
+    heads = []
+    for compiled in (False, True):
+        head = tilecompile.LossHead(copy.deepcopy(model), ce, layer_masks=compiled)
+        for layer in head.model.model.layers:
+            fully_shard(layer)
+        fully_shard(head)
+        heads.append(head)
+    eager, head = heads
+    torch._dynamo.reset()
+    tilecompile.reset()
+    step = head
+    if layout == "head.compile":
+        head.compile(backend="tilecompile", options=compile_options())
+    else:
+        step = torch.compile(head, backend="tilecompile", options=compile_options())
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss, expected = step(ids), eager(ids)
+    loss.backward()
+    expected.backward()
+    assert_close(loss, expected, rtol=1e-5, atol=1e-6, name="loss")
+    for (name, p), (_, q) in zip(head.named_parameters(), eager.named_parameters()):
+        assert_close(_full(p.grad), _full(q.grad), rtol=1e-4, atol=1e-6, name=f"grad of {name}")
+    rep = tilecompile.report()
+    assert (rep.counts["attention"], rep.counts["fused_linear_ce"], rep.counts["tiled_mlp"]) == (LAYERS, 1, LAYERS), rep
+    assert not [s for s in rep.skipped if s.pass_name == "attention"], rep

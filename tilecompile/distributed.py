@@ -249,7 +249,12 @@ class LossHead(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any):
         decoder = self.model.get_decoder()
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        layer_mask = attention_mask
+        if layer_mask is None and self.layer_masks:
+            # the same mask as none at HF's default positions (one causal sequence a row); without it HF reads its
+            # arange positions as a packed-sequence mask, built before the first layer, which the layers cannot read
+            layer_mask = torch.ones_like(input_ids)
+        hidden = decoder(input_ids=input_ids, attention_mask=layer_mask, use_cache=False).last_hidden_state
         logits = self.model.get_output_embeddings()(hidden)
         return self.loss_fn(logits, input_ids, attention_mask, *args, **kwargs)
 
