@@ -148,6 +148,8 @@ class LMHead(nn.Module):
             z = h @ w.t()
         elif s.linear == "matmul_T":
             z = torch.matmul(h, w.T)
+        elif s.linear == "verl_matmul" and self.reference:  # the float64 reference stays float64 (as cast_float)
+            z = torch.matmul(h, w.transpose(0, 1))
         elif s.linear == "verl_matmul":  # verl's reference: the product in fp32 whatever h and W are
             z = torch.matmul(h.float(), w.transpose(0, 1).float())
         else:
