@@ -38,10 +38,8 @@ usage: python benchmarks/bench_fsdp.py [--variants tilecompile,tilecompile-fsdp2
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import pathlib
 import socket
 import statistics
 import subprocess
@@ -53,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import MODELS, TINY, grpo_step, inputs, versions  # noqa: E402
+from e2e import MODELS, TINY, grpo_step, inputs, versions, write_rows  # noqa: E402
 
 VARIANTS = ("tilecompile", "tilecompile-fsdp2", "eager-fsdp2", "tilecompile-autocast")
 DEFAULT = VARIANTS[:3]
@@ -275,16 +273,7 @@ def main() -> None:
         rows += got
     print(f"total {time.time() - start:.0f} s", flush=True)
     if args.out:
-        out = pathlib.Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.suffix == ".json":
-            out.write_text(json.dumps(rows, indent=1) + "\n")
-        else:
-            with open(out, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-                writer.writeheader()
-                writer.writerows(rows)
-        print(f"wrote {out}")
+        print(f"wrote {write_rows(args.out, rows, FIELDS)}")
 
 
 if __name__ == "__main__":

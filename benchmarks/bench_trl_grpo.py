@@ -44,11 +44,9 @@ usage: python benchmarks/bench_trl_grpo.py [--variants trl,tilecompile] [--steps
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import os
-import pathlib
 import statistics
 import subprocess
 import sys
@@ -59,7 +57,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e import MODELS, TINY, versions  # noqa: E402
+from e2e import MODELS, TINY, versions, write_rows  # noqa: E402
 
 VARIANTS = ("trl", "tilecompile")
 FIELDS = [
@@ -318,16 +316,7 @@ def main() -> None:
         rows.append(row)
     print(f"total {time.time() - start:.0f} s", flush=True)
     if args.out:
-        out = pathlib.Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.suffix == ".json":
-            out.write_text(json.dumps(rows, indent=1) + "\n")
-        else:
-            with open(out, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-                writer.writeheader()
-                writer.writerows(rows)
-        print(f"wrote {out}")
+        print(f"wrote {write_rows(args.out, rows, FIELDS)}")
 
 
 if __name__ == "__main__":

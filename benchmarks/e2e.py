@@ -64,6 +64,20 @@ FIELDS = [
 ROW = "ROW "  # a worker's result lines start with this
 
 
+def write_rows(path: str, rows: list[dict], fields: list[str]) -> pathlib.Path:
+    """``rows`` to ``path``: JSON for a .json path, else CSV of ``fields`` (others left out); the path written."""
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".json":
+        out.write_text(json.dumps(rows, indent=1) + "\n")
+    else:
+        with open(out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+    return out
+
+
 def versions(device: torch.device) -> dict:
     def version(package: str) -> str:
         try:
