@@ -408,6 +408,7 @@ class GatedMLP(nn.Module):
         return torch.relu(g)
 
     def forward(self, x: torch.Tensor, x2: torch.Tensor | None = None) -> tuple:
+        self.grad_term_sizes = {}  # filled by the reference's backward (_weight_terms)
         if self.spec.checkpoint:
             return torch.utils.checkpoint.checkpoint(self.maybe_autocast, x, x2, use_reentrant=False)
         return self.maybe_autocast(x, x2)
@@ -442,7 +443,32 @@ class GatedMLP(nn.Module):
             terms = h.detach().abs() @ self.down_proj.weight.detach().abs().t()
             self.term_size = float(terms.max()) if terms.numel() else 0.0
         y = self.linear(h, self.down_proj)
+        if self.reference and y.requires_grad:
+            separate = s.split == "separate"
+            self._weight_terms(g, x, "gate_proj" if separate else "gate_up_proj")
+            self._weight_terms(u, x2 if miss == "different_inputs" else x, "up_proj" if separate else "gate_up_proj")
+            self._weight_terms(y, h, "down_proj")
         return (y, h) if miss == "intermediate_returned" else (y,)
+
+    def _weight_terms(self, out: torch.Tensor, inp: torch.Tensor, name: str) -> None:
+        """A hook on ``out`` (= inp · Wᵀ + b) that records the size of the terms W's and b's grads sum over the
+        rows, max Σ_n |∂out[n, j]| · |inp[n, k]| and max Σ_n |∂out[n, j]|: those sums cancel (found by the long
+        profile: one weight of d = 1 summed over 8 bf16 rows, 5% of it left), so their rounding scales with the
+        terms. Read by the harness after the backward (``grad_term_sizes``)."""
+        if not out.requires_grad:
+            return
+        x = inp.detach().abs().nan_to_num(0.0, 0.0, 0.0)
+
+        def hook(g: torch.Tensor) -> None:
+            ga = g.detach().abs().nan_to_num(0.0, 0.0, 0.0)
+            rows_g, rows_x = ga.reshape(-1, ga.shape[-1]), x.reshape(-1, x.shape[-1])
+            if not rows_g.numel() or rows_g.shape[0] != rows_x.shape[0]:
+                return
+            sizes = self.grad_term_sizes
+            for key, size in ((f"{name}.weight", rows_g.t() @ rows_x), (f"{name}.bias", rows_g.sum(0))):
+                sizes[key] = max(sizes.get(key, 0.0), float(size.max()))
+
+        out.register_hook(hook)
 
 
 class Block(nn.Module):
@@ -456,19 +482,15 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor, t: torch.Tensor | None = None) -> tuple:
         self.mlp.reference = self.head.reference = self.reference
-        y = self.mlp(x)[0]
-        if self.reference and y.requires_grad:
-            # the down projection's bias grad is Σ_n of the rows' output grads, which cancel (found by the long
-            # profile: fp16, terms ~0.3, sum 0.019; the op's 1.2e-4 off float64 is half a unit of the terms, eager
-            # happened on 3.7e-6, the bar from the sum 8.5e-5): judged by Σ_n |row grad|
-            self.grad_term_sizes = {}
-            y.register_hook(self._bias_terms)
-        h = x + y
+        h = x + self.mlp(x)[0]
         return self.head(h, labels, t)
 
-    def _bias_terms(self, g: torch.Tensor) -> None:
-        rows = g.detach().abs().nan_to_num(0.0, 0.0, 0.0).reshape(-1, g.shape[-1])
-        self.grad_term_sizes["mlp.down_proj.bias"] = float(rows.sum(0).max()) if rows.numel() else 0.0
+    @property
+    def grad_term_sizes(self) -> dict[str, float]:
+        """The MLP's weight and bias grads are sums over the rows that cancel (GatedMLP._weight_terms; found by
+        the long profile: fp16, the down projection's bias grad of terms ~0.3 summed to 0.019, the op half a unit
+        of the terms off float64, eager luckier at 3.7e-6, a bar of 8.5e-5 from the sum)."""
+        return {f"mlp.{k}": v for k, v in getattr(self.mlp, "grad_term_sizes", {}).items()}
 
 
 # ----------------------------------------------------------------------------------------------- inputs
