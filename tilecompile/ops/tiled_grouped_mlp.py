@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from tilecompile.kernels import tiled_mlp as K
-from tilecompile.ops.tiled_mlp import ACTIVATIONS, GRAD_ACCUM, _accumulate_mm, chunk_size_for
+from tilecompile.ops.tiled_mlp import _accumulate_mm, check_options, chunk_size_for
 
 __all__ = ["tiled_grouped_mlp"]
 
@@ -54,14 +54,7 @@ def _check(
     grad_accum: str,
 ) -> None:
     name = "tiled_grouped_mlp"
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if grad_accum not in GRAD_ACCUM:
-        raise ValueError(f"{name}: grad_accum must be one of {GRAD_ACCUM}, got {grad_accum!r}")
-    if chunk_tokens < 0:
-        raise ValueError(f"{name}: chunk_tokens must be >= 0, got {chunk_tokens}")
-    if chunk_tokens == 0 and budget_mb <= 0:
-        raise ValueError(f"{name}: budget_mb must be > 0 when chunk_tokens is 0, got {budget_mb}")
+    check_options(name, activation, chunk_tokens, budget_mb, grad_accum)
     if x.dim() != 2 or gate_weight.dim() != 3 or up_weight.dim() != 3 or down_weight.dim() != 3:
         raise ValueError(f"{name}: x must be [S, D] and the weights [E, in, out]")
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):

@@ -127,6 +127,19 @@ def _accumulate_sum(acc: Tensor, t: Tensor) -> None:
 # checks
 
 
+def check_options(name: str, activation: str, chunk_tokens: int, budget_mb: int, grad_accum: str) -> None:
+    """The options every tiled MLP op takes (the dense one and the experts'), checked alike: ``name`` heads the
+    error."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if grad_accum not in GRAD_ACCUM:
+        raise ValueError(f"{name}: grad_accum must be one of {GRAD_ACCUM}, got {grad_accum!r}")
+    if chunk_tokens < 0:
+        raise ValueError(f"{name}: chunk_tokens must be >= 0, got {chunk_tokens}")
+    if chunk_tokens == 0 and budget_mb <= 0:
+        raise ValueError(f"{name}: budget_mb must be > 0 when chunk_tokens is 0, got {budget_mb}")
+
+
 def _check(
     x: Tensor,
     gate_weight: Tensor,
@@ -140,14 +153,7 @@ def _check(
     budget_mb: int,
     grad_accum: str,
 ) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"tiled_gated_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if grad_accum not in GRAD_ACCUM:
-        raise ValueError(f"tiled_gated_mlp: grad_accum must be one of {GRAD_ACCUM}, got {grad_accum!r}")
-    if chunk_tokens < 0:
-        raise ValueError(f"tiled_gated_mlp: chunk_tokens must be >= 0, got {chunk_tokens}")
-    if chunk_tokens == 0 and budget_mb <= 0:
-        raise ValueError(f"tiled_gated_mlp: budget_mb must be > 0 when chunk_tokens is 0, got {budget_mb}")
+    check_options("tiled_gated_mlp", activation, chunk_tokens, budget_mb, grad_accum)
     if x.dim() < 1:
         raise ValueError("tiled_gated_mlp: x must have at least one dimension [..., D]")
     d, i = x.shape[-1], gate_weight.shape[0]
