@@ -182,6 +182,32 @@ CASES = [
 ]
 
 
+def _assert_matches_float64(what, q, k, v, g, pos, doc, valid, lo, hi, plan, path, tol):
+    """The op forward and backward (output grad ``g``) against the float64 reference at every position, pad rows
+    included: out and the grads of q, k, v finite and within ``tol`` of the largest reference value, lse +inf exactly
+    on the rows with no allowed key (output 0 there), out and grads token-major as the fake kernels say, and
+    ``path`` taken forward and backward."""
+    b, h, n, _ = q.shape
+    before = dict(OA.PATHS)
+    out, lse = torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, valid, lo, hi, 0.3, plan)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    for label, t, like in zip(("out", "dq", "dk", "dv"), (out, *grads), (q, q, k, v)):  # as the fake kernels say
+        assert t.stride() == K.token_major(like, *like.shape).stride(), (what, label, t.stride())
+    assert OA.PATHS[path] - before[path] == 2, (what, OA.PATHS, before)  # forward and backward
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = K.reference(*ref_in, pos, doc, valid, lo, hi, 0.3)
+    ref_grads = torch.autograd.grad(ref, ref_in, g.double())
+    for label, a, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert torch.isfinite(a).all(), (what, label)
+        err = (a.double() - r).abs().max().item()
+        assert err <= tol * max(1.0, r.abs().max().item()), (what, label, err)
+    # lse: +inf exactly on the rows with no allowed key (their output is 0)
+    mask = K.block_mask(torch.arange(n), n, pos, doc, valid, lo, hi)
+    empty = ~mask.expand(b, 1, n, n).any(-1).expand(b, h, n) if mask is not None else torch.zeros(b, h, n, dtype=bool)
+    assert torch.equal(torch.isinf(lse), empty), what
+    assert (out[empty[..., None].expand_as(out)] == 0).all(), what
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_packed_path_matches_float64_at_every_position(case, dtype, emulated_flash):
@@ -190,28 +216,10 @@ def test_packed_path_matches_float64_at_every_position(case, dtype, emulated_fla
     b = max([t.shape[0] for t in (pos, doc, valid) if t is not None] or [2])
     h, hkv, d = 4, 2, 8
     q, k, v = (torch.randn(b, heads, N, d, dtype=dtype, requires_grad=True) for heads in (h, hkv, hkv))
+    g = torch.randn_like(q)
     plan = OA.attention_plan(pos, doc, valid, lo, hi) if (pos, doc, valid) != (None, None, None) else []
-    before = dict(OA.PATHS)
-    out, lse = torch.ops.tilecompile.masked_attention(q, k, v, pos, doc, valid, lo, hi, 0.3, plan)
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), g)
-    for label, t, like in zip(("out", "dq", "dk", "dv"), (out, *grads), (q, q, k, v)):  # as the fake kernels say
-        assert t.stride() == K.token_major(like, *like.shape).stride(), (name, label, t.stride())
-    path = "flash" if exact else "chunked"
-    assert OA.PATHS[path] - before[path] == 2, (name, OA.PATHS, before)  # forward and backward
-    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = K.reference(*ref_in, pos, doc, valid, lo, hi, 0.3)
-    ref_grads = torch.autograd.grad(ref, ref_in, g.double())
     tol = 1e-5 if dtype == torch.float32 else 1e-11
-    for label, a, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
-        assert torch.isfinite(a).all(), (name, label)
-        err = (a.double() - r).abs().max().item()
-        assert err <= tol * max(1.0, r.abs().max().item()), (name, label, err)
-    # lse: +inf exactly on the rows with no allowed key (their output is 0)
-    mask = K.block_mask(torch.arange(N), N, pos, doc, valid, lo, hi)
-    empty = ~mask.expand(b, 1, N, N).any(-1).expand(b, h, N) if mask is not None else torch.zeros(b, h, N, dtype=bool)
-    assert torch.equal(torch.isinf(lse), empty), name
-    assert (out[empty[..., None].expand_as(out)] == 0).all(), name
+    _assert_matches_float64(name, q, k, v, g, pos, doc, valid, lo, hi, plan, "flash" if exact else "chunked", tol)
 
 
 # the cases whose plan runs flash on the tokens where they lie (no row gathered): padding of either side, documents
@@ -247,6 +255,66 @@ def test_padding_runs_flash_where_the_tokens_lie(case, emulated_flash, monkeypat
             assert orders and not any(orders), (name, orders)
     for label, a, r in zip(("out", "lse", "dq", "dk", "dv"), *results):
         assert torch.allclose(a, r, rtol=1e-12, atol=1e-12), (name, label)
+
+
+def _draw_padded_batch(gen: torch.Generator):
+    """A random padded batch whose groups lie together, as collators make it: ``(lo, hi, valid, doc, hkv, token_major,
+    what)``. B in 1..3, N in 1..40, each row 1, N or between real tokens; causal with the rest padded on the left, the
+    right or both; a causal window with left padding only; or bidirectional, one side a row (the natural order takes
+    one run of pads a group that see every key: a right pad, or a left one without order). 1 to 3 documents a row,
+    distinct random ids in any order, the pads in the first and the last. Drawn again until a pad lies before a real
+    token (else the packed order is the identity: the packed path gathers nothing either, natural is not taken)."""
+
+    def draw(a: int, b: int) -> int:  # a <= x <= b
+        return int(torch.randint(a, b + 1, (), generator=gen))
+
+    def pick(*choices):
+        return choices[draw(0, len(choices) - 1)]
+
+    while True:
+        b, n = draw(1, 3), draw(1, 40)
+        lo, hi = pick((0, None), (0, draw(0, 7)), (None, None))
+        sides = {(0, None): ("left", "right", "both"), (None, None): ("left", "right")}.get((lo, hi), ("left",))
+        lengths, lefts, docs, runs = [], [], [], []
+        for _ in range(b):
+            length = pick(1, n, draw(1, n), draw(1, n))
+            pad = n - length
+            left = {"left": pad, "right": 0, "both": draw(0, pad)}[pick(*sides)]
+            cuts = sorted((torch.randperm(length - 1, generator=gen)[: draw(0, min(2, length - 1))] + 1).tolist())
+            sizes = [e - s for s, e in zip([0, *cuts], [*cuts, length])]
+            ids = torch.randperm(10, generator=gen)[: len(sizes)].tolist()
+            row = [ids[0]] * left + [i for i, m in zip(ids, sizes) for _ in range(m)]
+            docs.append(row + [ids[-1]] * (n - len(row)))
+            lengths.append(length)
+            lefts.append(left)
+            runs.append(list(zip(ids, sizes)))
+        valid = _rows(lengths, n, lefts)
+        flat = valid.flatten()
+        if (flat[1:] > flat[:-1]).any():
+            break
+    doc = torch.tensor(docs) if pick(True, any(len(r) > 1 for r in runs)) else None
+    hkv, token_major = pick(1, 2, 4), pick(False, True)
+    what = f"B={b} N={n} Hkv={hkv} lo={lo} hi={hi} left={lefts} lengths={lengths}"
+    what += f" docs (id, size)={runs if doc is not None else None}" + (" token-major" if token_major else "")
+    return lo, hi, valid, doc, hkv, token_major, what
+
+
+def test_random_padded_batches_run_flash_where_the_tokens_lie(emulated_flash):
+    """40 random padded batches (``_draw_padded_batch``) take the natural order (their plan's ``natural`` set, so the
+    flash calls run on the tokens where they lie), GQA and fp64: out, lse and the grads of q, k, v as float64's at
+    every position, pad rows included (a row the emulated flash leaves unwritten is NaN)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        lo, hi, valid, doc, hkv, token_major, what = _draw_padded_batch(gen)
+        b, n = valid.shape
+        plan = OA.attention_plan(None, doc, valid, lo, hi)
+        pk = K.packed(plan, b, n)
+        assert pk is not None and pk["natural"] is not None, what
+        shapes = [(b, n, x, 8) if token_major else (b, x, n, 8) for x in (4, hkv, hkv, 4)]
+        q, k, v, g = (torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes)
+        q, k, v, g = (t.transpose(1, 2) if token_major else t for t in (q, k, v, g))  # HF's layout, or head-major
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        _assert_matches_float64(what, q, k, v, g, None, doc, valid, lo, hi, plan, "flash", 1e-11)
 
 
 def test_plan_reads_back_once_and_layers_share_it(emulated_flash):
