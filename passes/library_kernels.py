@@ -241,6 +241,7 @@ class FunctionCall:
     input: fx.Node
     weight: fx.Node | None = None
     bias: fx.Node | None = None
+    index: int = 0  # which of the call's results is the linear (the others are dead: ``_dead_outputs``)
 
 
 def is_function_apply(node: fx.Node) -> bool:
@@ -318,12 +319,14 @@ def read_function(node: fx.Node, gm: fx.GraphModule) -> FunctionCall | str | Non
     if outs is None or len(fwd_in) != len(operands) or not all(isinstance(o, fx.Node) for o in operands):
         return _unread(node, "its bodies are not in the form this reader knows") if where else None
     outputs, saved = outs
-    if len(outputs) != 1 or not isinstance(outputs[0], fx.Node):
-        return _unread(node, f"its forward returns {len(outputs)} values") if where else None
+    live = [i for i in range(len(outputs)) if i not in _dead_outputs(node, bwd, outputs)]
+    if len(live) != 1 or not isinstance(outputs[live[0]], fx.Node):
+        return _unread(node, f"its forward returns {len(live)} values") if where else None
     outer = dict(zip(fwd_in, operands))
     if _autocast_on(fwd) or _autocast_on(bwd):
         return _unread(node, "it runs under autocast inside its forward or backward") if where else None
-    out = outputs[0]
+    index = live[0]
+    out = outputs[index]
     ident = _read_identity(out, outer, computed, bwd)
     if ident is not None:
         return FunctionCall(node, "identity", ident)
@@ -340,10 +343,28 @@ def read_function(node: fx.Node, gm: fx.GraphModule) -> FunctionCall | str | Non
     if extra:
         what = ", ".join(f"{G.op(n) or n.target} {n.name}" for n in extra[:3])
         return _unread(node, f"its forward computes more than the linear ({what})")
-    reason = _check_linear_backward(bwd, lin, saved, outer, fwd_in, operands)
+    reason = _check_linear_backward(bwd, lin, saved, outer, fwd_in, operands, len(outputs), index)
     if reason:
         return _unread(node, reason)
-    return FunctionCall(node, "linear", outer[lin.input], outer[lin.weight], outer.get(lin.bias))
+    return FunctionCall(node, "linear", outer[lin.input], outer[lin.weight], outer.get(lin.bias), index)
+
+
+def _dead_outputs(node: fx.Node, bwd: fx.GraphModule, outputs: list[Any]) -> set[int]:
+    """The forward's results that nothing reads: values computed in the body that the outer graph does not use and
+    whose gradient the backward ignores. Dynamo of torch 2.11 returns every intermediate of an autograd.Function's
+    forward as a result of its own (for side effects: mcore's linear comes back as ``(x @ w.t(), w.t())``), with an
+    unused gradient placeholder for each; later releases return the outputs alone."""
+    places = [n for n in bwd.graph.nodes if n.op == "placeholder"]
+    items = _getitems(node)
+    return {
+        i
+        for i, o in enumerate(outputs)
+        if isinstance(o, fx.Node)
+        and o.op != "placeholder"
+        and i < len(places)
+        and not places[i].users
+        and not any(item.users for item in items.get(i, []))
+    }
 
 
 def _unread(node: fx.Node, why: str) -> str:
@@ -368,15 +389,26 @@ def _read_identity(out: fx.Node, outer: dict, computed: list[fx.Node], bwd: fx.G
 
 
 def _check_linear_backward(
-    bwd: fx.GraphModule, lin: G.Linear, saved: list[Any], outer: dict, fwd_in: list[fx.Node], operands: list[fx.Node]
+    bwd: fx.GraphModule,
+    lin: G.Linear,
+    saved: list[Any],
+    outer: dict,
+    fwd_in: list[fx.Node],
+    operands: list[fx.Node],
+    n_outputs: int = 1,
+    index: int = 0,
 ) -> str | None:
-    """None when the backward returns exactly the linear's gradients (for each operand, in order); else the reason."""
+    """None when the backward returns exactly the linear's gradients (for each operand, in order); else the reason.
+    The backward takes a gradient for each of the forward's ``n_outputs`` results, then the saved tensors; it may
+    read only the linear's (result ``index``)."""
     places = [n for n in bwd.graph.nodes if n.op == "placeholder"]
-    if len(places) != 1 + len(saved):
+    if len(places) != n_outputs + len(saved):
         return "its backward takes other inputs than the output's gradient and the saved tensors"
+    if any(p.users for i, p in enumerate(places[:n_outputs]) if i != index):
+        return "its backward reads the gradient of a result other than the linear's"
     x, w, b = lin.input, lin.weight, lin.bias
-    forms: dict[fx.Node, tuple] = {places[0]: ("g", False)}
-    for p, s in zip(places[1:], saved):
+    forms: dict[fx.Node, tuple] = {places[index]: ("g", False)}
+    for p, s in zip(places[n_outputs:], saved):
         if s is x:
             forms[p] = ("x", False)
         elif s is w:
@@ -481,11 +513,17 @@ def expand_functions(gm: fx.GraphModule, result: Any) -> bool:
         where = G.module_path(node)
         candidate = f"{function_name(node)} at {node.name}"
         items = _getitems(node)
-        plain = not any(i != 0 for i in items) and sum(map(len, items.values())) == len(node.users)
+        index = 0 if isinstance(call, str) else call.index
+        dead = [item for i, found in items.items() if i != index for item in found if not item.users]
+        plain = sum(map(len, items.values())) == len(node.users) and len(dead) == len(node.users) - len(
+            items.get(index, [])
+        )
         if not isinstance(call, str) and call.kind == "identity":
             if plain:  # the identity is not a region of its own: replaced without a line in the report
                 for item in items.get(0, []):
                     item.replace_all_uses_with(call.input)
+                    gm.graph.erase_node(item)
+                for item in dead:
                     gm.graph.erase_node(item)
                 gm.graph.erase_node(node)
                 changed = True
@@ -502,8 +540,10 @@ def expand_functions(gm: fx.GraphModule, result: Any) -> bool:
             result.skip(node, R.Skip("canonical", candidate, where, "no fake tensors on its operands"))
             continue
         value = _Inserter(node, fake_mode).call(torch.nn.functional.linear, call.input, call.weight, call.bias)
-        for item in items.get(0, []):
+        for item in items.get(index, []):
             item.replace_all_uses_with(value)
+            gm.graph.erase_node(item)
+        for item in dead:
             gm.graph.erase_node(item)
         gm.graph.erase_node(node)
         shapes = {"input": G.shape(call.input)} | ({"weight": G.shape(call.weight)} if call.weight is not None else {})
@@ -568,6 +608,9 @@ def read_mcore_cross_entropy(node: fx.Node, gm: fx.GraphModule) -> CrossEntropyC
     operands = list(node.args[2:])
     places = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     outs = _forward_outputs(fwd)
+    if outs is not None:  # torch 2.11's intermediates returned beside the loss (``_dead_outputs``) set aside
+        dead = _dead_outputs(node, bwd, outs[0])
+        outs = ([o for i, o in enumerate(outs[0]) if i not in dead], outs[1])
     if len(operands) != 2 or len(places) != 2 or outs is None or len(outs[0]) != 1:
         return f"{what}: its forward is not in the form of megatron-core 0.16 (logits, target) -> loss"
     logits, target = operands
