@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.fx as fx
+
+from tilecompile import graph as G
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, name: str = "") -> None:
@@ -72,3 +76,41 @@ def no_fallback():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="tilecompile: compiling the loss-aware gradient")
         yield
+
+
+def as_torch_2_11(gm: fx.GraphModule) -> fx.GraphModule:
+    """Each ``autograd_function_apply`` of ``gm`` in the form Dynamo of torch 2.11 records it: every intermediate of the
+    forward body returned as a result of its own (after the outputs), an unused gradient placeholder for each in the
+    backward body, and an unused ``getitem`` of each in the outer graph."""
+    for node in list(gm.graph.nodes):
+        if getattr(node.target, "__name__", None) != "autograd_function_apply":
+            continue
+        fwd, bwd = (getattr(gm, a.target) for a in node.args[:2])
+        (out,) = [n for n in fwd.graph.nodes if n.op == "output"]
+        outputs, saved = out.args[0]
+        extra = [n for n in fwd.graph.nodes if n.op == "call_method" or n.op == "call_function"]
+        extra = [n for n in extra if n not in outputs and isinstance(G.example_value(n), torch.Tensor)]
+        out.args = (((*outputs, *extra), saved),)
+        fwd.recompile()
+        places = [n for n in bwd.graph.nodes if n.op == "placeholder"]
+        with bwd.graph.inserting_after(places[len(outputs) - 1]):
+            for i in range(len(extra)):
+                bwd.graph.placeholder(f"unused_{i}")
+        bwd.recompile()
+        last = max(node.users, key=lambda u: list(gm.graph.nodes).index(u))
+        with gm.graph.inserting_after(last):
+            for i in range(len(extra)):
+                gm.graph.call_function(operator.getitem, (node, len(outputs) + i))
+    gm.recompile()
+    assert extra, "the test's function has no intermediate to return"
+    return gm
+
+
+def torch_2_11_form_backend(**options) -> Callable:
+    """tilecompile (``compile_options(**options)``) on the graph in torch 2.11's form (``as_torch_2_11``)."""
+    from tilecompile.backend import tilecompile_backend
+
+    def backend(gm, inputs):
+        return tilecompile_backend(as_torch_2_11(gm), inputs, options=compile_options(**options))
+
+    return backend

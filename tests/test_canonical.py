@@ -13,7 +13,7 @@ import pytest
 import test_loss_aware as LAT
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, compile_options
+from helpers import assert_close, compile_options, torch_2_11_form_backend
 
 import tilecompile
 
@@ -225,53 +225,16 @@ def test_linear_autograd_function_read_only_when_its_backward_is_the_gradient(fn
         assert "not read as a linear or a loss" in skip.reason and "is not the linear's" in skip.reason, skip
 
 
-def _as_torch_2_11(gm):
-    """Each ``autograd_function_apply`` of ``gm`` in the form Dynamo of torch 2.11 records it: every intermediate of the
-    forward body returned as a result of its own (after the outputs), an unused gradient placeholder for each in the
-    backward body, and an unused ``getitem`` of each in the outer graph."""
-    import operator
-
-    from tilecompile import graph as G
-
-    for node in list(gm.graph.nodes):
-        if getattr(node.target, "__name__", None) != "autograd_function_apply":
-            continue
-        fwd, bwd = (getattr(gm, a.target) for a in node.args[:2])
-        (out,) = [n for n in fwd.graph.nodes if n.op == "output"]
-        outputs, saved = out.args[0]
-        extra = [n for n in fwd.graph.nodes if n.op == "call_method" or n.op == "call_function"]
-        extra = [n for n in extra if n not in outputs and isinstance(G.example_value(n), torch.Tensor)]
-        out.args = (((*outputs, *extra), saved),)
-        fwd.recompile()
-        places = [n for n in bwd.graph.nodes if n.op == "placeholder"]
-        with bwd.graph.inserting_after(places[len(outputs) - 1]):
-            for i in range(len(extra)):
-                bwd.graph.placeholder(f"unused_{i}")
-        bwd.recompile()
-        last = max(node.users, key=lambda u: list(gm.graph.nodes).index(u))
-        with gm.graph.inserting_after(last):
-            for i in range(len(extra)):
-                gm.graph.call_function(operator.getitem, (node, len(outputs) + i))
-    gm.recompile()
-    assert extra, "the test's function has no intermediate to return"
-    return gm
-
-
 @pytest.mark.parametrize("fn", [_Linear, _ScaledGrad], ids=["exact_gradient", "other_gradient"])
 def test_linear_autograd_function_in_torch_2_11s_form(fn):
     """Dynamo of torch 2.11 returns mcore's linear as ``(x @ w.t(), w.t())`` with an unused gradient for ``w.t()``
     (seen on the H200): read as the linear all the same when the extra result is dead, with eager's values."""
-    from tilecompile.backend import tilecompile_backend
-
-    def backend(gm, inputs):
-        return tilecompile_backend(_as_torch_2_11(gm), inputs, options=compile_options())
-
     model, ref = _Head(fn), _Head(fn)
     ref.load_state_dict(model.state_dict())
     h = torch.randn(3, 7, D, requires_grad=True)
     h_ref = h.detach().clone().requires_grad_()
     ids = torch.randint(0, 37, (3, 7))
-    out, expected = torch.compile(model, backend=backend)(h, ids), ref(h_ref, ids)
+    out, expected = torch.compile(model, backend=torch_2_11_form_backend())(h, ids), ref(h_ref, ids)
     out.backward()
     expected.backward()
     assert_close(out, expected, rtol=1e-5, atol=1e-6, name="loss")

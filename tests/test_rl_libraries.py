@@ -24,7 +24,7 @@ import types
 
 import pytest
 import torch
-from helpers import assert_close, assert_grads_close, compile_options
+from helpers import assert_close, assert_grads_close, compile_options, torch_2_11_form_backend
 
 import tilecompile
 
@@ -228,8 +228,9 @@ def trl_step(utils, spelling: str, pad_label: int | None = None):
     return step
 
 
+@pytest.mark.parametrize("form", ["dynamo", "torch_2_11"])  # torch 2.11 returns the intermediates too
 @pytest.mark.parametrize("spelling", ["grpo", "row_mask"])
-def test_trl_triton_kernel_path_is_fused(trl_utils, trl_kernel_path, spelling):
+def test_trl_triton_kernel_path_is_fused(trl_utils, trl_kernel_path, spelling, form):
     expected_step = trl_step(trl_utils, spelling)  # the reference: TRL's torch code (eager, unpatched)
     model = tiny_qwen2()
     reference = copy.deepcopy(model)
@@ -239,7 +240,10 @@ def test_trl_triton_kernel_path_is_fused(trl_utils, trl_kernel_path, spelling):
         expected = expected_step(reference, *inputs)
     expected.backward()
     compiled = trl_step(trl_kernel_path, spelling, pad_label=-100)
-    actual = torch.compile(compiled, backend="tilecompile", options=compile_options())(model, *inputs)
+    if form == "dynamo":
+        actual = torch.compile(compiled, backend="tilecompile", options=compile_options())(model, *inputs)
+    else:
+        actual = torch.compile(compiled, backend=torch_2_11_form_backend())(model, *inputs)
     rep = tilecompile.report()
     (fused,) = [r for r in rep.rewrites if r.pass_name == "fused_linear_ce"]
     assert "read from 2 call(s) of TRL's Triton log-prob/entropy kernel" in fused.detail, fused.detail
