@@ -21,7 +21,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, compile_options
+from helpers import assert_close, compile_options, torch_2_11_form_backend
 from tilecompile.passes import library_kernels as LK
 
 import tilecompile
@@ -133,12 +133,17 @@ def _twins() -> tuple[GPTModel, GPTModel]:
     return model, reference
 
 
-def _against_eager(step, **options) -> tilecompile.reporting.Report:
+def _against_eager(step, form: str = "dynamo", **options) -> tilecompile.reporting.Report:
+    """``form="torch_2_11"``: the graph as Dynamo of torch 2.11 records it (``helpers.as_torch_2_11``)."""
     model, reference = _twins()
     batch = make_batch()
     expected = step(reference, batch)
     expected.backward()
-    actual = torch.compile(step, backend="tilecompile", options=compile_options(**options))(model, batch)
+    if form == "dynamo":
+        backend = {"backend": "tilecompile", "options": compile_options(**options)}
+    else:
+        backend = {"backend": torch_2_11_form_backend(**options)}
+    actual = torch.compile(step, **backend)(model, batch)
     actual.backward()
     assert_close(actual, expected, rtol=RTOL, atol=ATOL, name="loss")
     ref = dict(reference.named_parameters())
@@ -152,9 +157,10 @@ def _fused(rep) -> list:
     return [r for r in rep.rewrites if r.pass_name == "fused_linear_ce"]
 
 
+@pytest.mark.parametrize("form", ["dynamo", "torch_2_11"])
 @pytest.mark.parametrize("step", [ppo_step, labels_step], ids=["logits_ppo", "labels"])
-def test_gpt_model_step_is_rewritten_and_equals_eager(mcore_cpu, step):
-    rep = _against_eager(step)
+def test_gpt_model_step_is_rewritten_and_equals_eager(mcore_cpu, step, form):
+    rep = _against_eager(step, form)
     assert rep.graphs == 1, rep
     mlps = sorted(r.module_path for r in rep.rewrites if r.pass_name == "tiled_mlp")
     assert mlps == ["decoder.layers.0.mlp", "decoder.layers.1.mlp"], rep
