@@ -567,3 +567,34 @@ def test_checkpointed_loss_saves_the_op_instead_of_running_it_again(monkeypatch)
     d = detail(run(checkpointed))
     assert "loss-aware mode" in d and "saved, not recomputed" in d, d
     assert len(calls) == 1
+
+
+def test_loss_gradient_under_a_dynamic_compile_compiles_once(monkeypatch):
+    """Under ``torch.compile(dynamic=True)`` the op's own compile of the per-token gradient (made while the step runs,
+    inside the step's dynamic setting) is symbolic from its first call: the step's second length compiles nothing."""
+    O._COMPILED.clear()
+    options = compile_options(ce_loss_grad_compile="aot_eager")
+    step = torch.compile(sft_cross_entropy, backend="tilecompile", options=options, dynamic=True)
+    graphs, compile_ = [], torch.compile
+
+    def counting_compile(fn, *, backend, **kwargs):  # the op's compile of the gradient (the step's is made above)
+        def count(gm, inputs):
+            graphs.append(gm)
+            return torch._dynamo.lookup_backend(backend)(gm, inputs)
+
+        return compile_(fn, backend=count, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    # no profile of an earlier process (Dynamo's local PGO would start the gradient symbolic after a first run)
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_local_pgo", False)
+    model = Head()
+    for t in (T, T - 3):
+        h, ids, batch = make_batch()
+        batch = {k: v[:, : t - 1].clone() if v.dim() == 2 else v for k, v in batch.items()}
+        with no_fallback():
+            out = step(model, h[:, :t].clone().requires_grad_(), ids[:, :t].clone(), batch)
+            (out[0] if isinstance(out, tuple) else out).backward()
+        model.zero_grad(set_to_none=True)  # as before the first call: no guard on a grad that appeared
+    rep = tilecompile.report()
+    assert rep.graphs == 1 and "loss-aware mode" in detail(rep), rep  # one dynamic compile of the step
+    assert len(graphs) == 1, [g.code for g in graphs]
