@@ -317,6 +317,21 @@ def test_random_padded_batches_run_flash_where_the_tokens_lie(emulated_flash):
         _assert_matches_float64(what, q, k, v, g, None, doc, valid, lo, hi, plan, "flash", 1e-11)
 
 
+def test_natural_order_refused_beside_two_runs_of_pads(emulated_flash):
+    """Where the natural order cannot serve, the packed order does, exact all the same: bidirectional rows padded on
+    both sides have their pads (which see every key) in two runs a group, more than call 2's one segment a group
+    takes (the random batches above draw one side a bidirectional row, so they never reach this gate)."""
+    n, lengths, lefts = 16, [5, 9, 12], [3, 4, 2]
+    valid = _rows(lengths, n, lefts)
+    plan = OA.attention_plan(None, None, valid, None, None)
+    pk = K.packed(plan, len(lengths), n)
+    assert pk is not None and pk["natural"] is None
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, g = (torch.randn(len(lengths), x, n, 8, generator=gen, dtype=torch.float64) for x in (4, 2, 2, 4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    _assert_matches_float64("both sides", q, k, v, g, None, None, valid, None, None, plan, "flash", 1e-11)
+
+
 def test_plan_reads_back_once_and_layers_share_it(emulated_flash):
     """One plan, one host sync, however many layers use it: each layer's forward and backward read its CPU info."""
     valid = _rows([29, 20, 5], N, [0, 9, 2])
