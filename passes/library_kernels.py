@@ -44,7 +44,7 @@ class KernelCall:
     index: fx.Node
     row_mask: fx.Node | None
     temperature: float
-    outputs: dict[str, list[fx.Node]]  # "logp" / "entropy" -> the nodes whose uses read that output
+    outputs: dict[str, list[fx.Node]]  # "logp" / "entropy" -> the nodes whose uses read that output ("dead": unread)
 
 
 def _trl_forward_launch(node: fx.Node) -> dict[str, Any] | None:
@@ -101,11 +101,13 @@ def _from_apply(node: fx.Node, gm: fx.GraphModule) -> KernelCall | None:
     mask = outer.get(launch["row_mask_ptr"]) if launch["HAS_MASK"] else None
     if logits is None or index is None or (launch["HAS_MASK"] and mask is None):
         return None
-    # TRL's function returns (logprobs, entropy)
+    # TRL's function returns (logprobs, entropy); torch 2.11 adds its forward's intermediates, unread (_dead_outputs)
     items = _getitems(node)
-    if any(i not in (0, 1) for i in items) or sum(map(len, items.values())) != len(node.users):
+    dead = [item for i, found in items.items() if i not in (0, 1) for item in found if not item.users]
+    others = sum(len(found) for i, found in items.items() if i not in (0, 1))
+    if others != len(dead) or sum(map(len, items.values())) != len(node.users):
         return None
-    outputs = {"logp": items.get(0, []), "entropy": items.get(1, [])}
+    outputs = {"logp": items.get(0, []), "entropy": items.get(1, []), "dead": dead}
     return KernelCall(node, logits, index, mask, float(launch["TEMPERATURE"]), outputs)
 
 
@@ -206,7 +208,7 @@ def expand(call: KernelCall | CrossEntropyCall, b: Any) -> list[fx.Node]:
             value = b.call(torch.where, keep, value, 0.0)
         for out, user in reads:  # a getitem of the function's outputs, or a buffer the launch wrote
             user.replace_input_with(out, value)
-    for out in [o for key in ("logp", "entropy") for o in call.outputs[key]]:
+    for out in [o for key in ("logp", "entropy", "dead") for o in call.outputs.get(key, [])]:
         if out.op == "call_function" and out.target is operator.getitem and not out.users:
             graph.erase_node(out)
     if not call.node.users:
@@ -321,7 +323,8 @@ def read_function(node: fx.Node, gm: fx.GraphModule) -> FunctionCall | str | Non
     outputs, saved = outs
     live = [i for i in range(len(outputs)) if i not in _dead_outputs(node, bwd, outputs)]
     if len(live) != 1 or not isinstance(outputs[live[0]], fx.Node):
-        return _unread(node, f"its forward returns {len(live)} values") if where else None
+        used = f" ({len(live)} read outside the function or by its backward)" if len(live) < len(outputs) else ""
+        return _unread(node, f"its forward returns {len(outputs)} values{used}") if where else None
     outer = dict(zip(fwd_in, operands))
     if _autocast_on(fwd) or _autocast_on(bwd):
         return _unread(node, "it runs under autocast inside its forward or backward") if where else None
@@ -399,13 +402,11 @@ def _check_linear_backward(
     index: int = 0,
 ) -> str | None:
     """None when the backward returns exactly the linear's gradients (for each operand, in order); else the reason.
-    The backward takes a gradient for each of the forward's ``n_outputs`` results, then the saved tensors; it may
-    read only the linear's (result ``index``)."""
+    The backward takes a gradient for each of the forward's ``n_outputs`` results, then the saved tensors; the others'
+    gradients are unread (``_dead_outputs``), the linear's is result ``index``'s."""
     places = [n for n in bwd.graph.nodes if n.op == "placeholder"]
     if len(places) != n_outputs + len(saved):
         return "its backward takes other inputs than the output's gradient and the saved tensors"
-    if any(p.users for i, p in enumerate(places[:n_outputs]) if i != index):
-        return "its backward reads the gradient of a result other than the linear's"
     x, w, b = lin.input, lin.weight, lin.bias
     forms: dict[fx.Node, tuple] = {places[index]: ("g", False)}
     for p, s in zip(places[n_outputs:], saved):
@@ -584,6 +585,7 @@ class CrossEntropyCall:
     node: fx.Node
     logits: fx.Node
     target: fx.Node
+    index: int = 0  # which of the call's results is the loss (the others are unread: ``_dead_outputs``)
 
 
 def _group_size(name: Any) -> int | None:
@@ -608,9 +610,11 @@ def read_mcore_cross_entropy(node: fx.Node, gm: fx.GraphModule) -> CrossEntropyC
     operands = list(node.args[2:])
     places = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     outs = _forward_outputs(fwd)
+    live = []
     if outs is not None:  # torch 2.11's intermediates returned beside the loss (``_dead_outputs``) set aside
         dead = _dead_outputs(node, bwd, outs[0])
-        outs = ([o for i, o in enumerate(outs[0]) if i not in dead], outs[1])
+        live = [i for i in range(len(outs[0])) if i not in dead]
+        outs = ([outs[0][i] for i in live], outs[1])
     if len(operands) != 2 or len(places) != 2 or outs is None or len(outs[0]) != 1:
         return f"{what}: its forward is not in the form of megatron-core 0.16 (logits, target) -> loss"
     logits, target = operands
@@ -642,7 +646,7 @@ def read_mcore_cross_entropy(node: fx.Node, gm: fx.GraphModule) -> CrossEntropyC
     vocab = G.hint(lv.shape[-1])
     if bounds.get(operator.lt) != 0 or bounds.get(operator.ge) != vocab:
         return f"{what}: its vocabulary range is not (0, {vocab}) (this rank holds a shard of the vocabulary)"
-    return CrossEntropyCall(node, logits, target)
+    return CrossEntropyCall(node, logits, target, live[0])
 
 
 def _expand_cross_entropy(call: CrossEntropyCall, b: Any) -> list[fx.Node]:
@@ -654,8 +658,10 @@ def _expand_cross_entropy(call: CrossEntropyCall, b: Any) -> list[fx.Node]:
     picked = b.call(torch.gather, logp_all, -1, b.call("unsqueeze", t, -1, method=True))
     loss = b.call(operator.neg, b.call("squeeze", picked, -1, method=True))
     for item in [u for u in call.node.users if G.op(u) == "getitem"]:
-        item.replace_all_uses_with(loss)
-        item.graph.erase_node(item)
+        if item.args[1] == call.index:
+            item.replace_all_uses_with(loss)
+        if not item.users:  # the loss's, and the unread results' (``_dead_outputs``)
+            item.graph.erase_node(item)
     if not call.node.users:
         call.node.graph.erase_node(call.node)
     return [n for n in (z, logp_all) if n is not call.logits]

@@ -13,7 +13,7 @@ import pytest
 import test_loss_aware as LAT
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, compile_options, torch_2_11_form_backend
+from helpers import as_torch_2_11, assert_close, compile_options, torch_2_11_form_backend
 
 import tilecompile
 
@@ -227,3 +227,39 @@ def test_linear_autograd_function_read_only_when_its_backward_is_the_gradient(fn
         assert rep.counts["fused_linear_ce"] == 0, rep
         (skip,) = [s for s in rep.skipped if s.pass_name == "canonical"]
         assert "not read as a linear or a loss" in skip.reason and "is not the linear's" in skip.reason, skip
+
+
+def _torch_2_11_linear_graph():
+    """_Head(_Linear)'s Dynamo graph in torch 2.11's form, with its autograd.Function call."""
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(_Head(_Linear), backend=capture)(torch.randn(3, 7, D), torch.randint(0, 37, (3, 7)))
+    gm = as_torch_2_11(graphs[0])
+    (call,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", None) == "autograd_function_apply"]
+    return gm, call
+
+
+@pytest.mark.parametrize("reader", ["outer graph", "backward"])
+def test_torch_2_11_extra_result_that_is_read_keeps_the_call(reader):
+    """The extra results are set aside only while nothing reads them: one the outer graph uses (a side effect's
+    value) or whose gradient the backward reads keeps the call, with a reason."""
+    from tilecompile.passes import library_kernels as LK
+
+    gm, call = _torch_2_11_linear_graph()
+    if reader == "outer graph":
+        (extra,) = [u for u in call.users if u.args[1] == 1]
+        with gm.graph.inserting_after(extra):
+            gm.graph.call_method("sum", (extra,))
+    else:
+        bwd = getattr(gm, call.args[1].target)
+        unused = [n for n in bwd.graph.nodes if n.op == "placeholder"][1]
+        with bwd.graph.inserting_after(unused):
+            bwd.graph.call_method("sum", (unused,))
+    reason = LK.read_function(call, gm)
+    assert isinstance(reason, str) and reason.endswith("not read as a linear or a loss: its forward returns 2 values")
+    gm, call = _torch_2_11_linear_graph()  # untouched, the same form is read as the linear
+    assert isinstance(LK.read_function(call, gm), LK.FunctionCall)

@@ -228,7 +228,9 @@ def trl_step(utils, spelling: str, pad_label: int | None = None):
     return step
 
 
-@pytest.mark.parametrize("form", ["dynamo", "torch_2_11"])  # torch 2.11 returns the intermediates too
+# torch_2_11: the graph as Dynamo of torch 2.11 records it (the function's forward intermediates as extra results);
+# alone: without the attention pass, whose dead-code sweep would otherwise drop those results before the lm_head pass
+@pytest.mark.parametrize("form", ["dynamo", "torch_2_11", "torch_2_11_alone"])
 @pytest.mark.parametrize("spelling", ["grpo", "row_mask"])
 def test_trl_triton_kernel_path_is_fused(trl_utils, trl_kernel_path, spelling, form):
     expected_step = trl_step(trl_utils, spelling)  # the reference: TRL's torch code (eager, unpatched)
@@ -243,7 +245,8 @@ def test_trl_triton_kernel_path_is_fused(trl_utils, trl_kernel_path, spelling, f
     if form == "dynamo":
         actual = torch.compile(compiled, backend="tilecompile", options=compile_options())(model, *inputs)
     else:
-        actual = torch.compile(compiled, backend=torch_2_11_form_backend())(model, *inputs)
+        options = {"attention": False} if form == "torch_2_11_alone" else {}
+        actual = torch.compile(compiled, backend=torch_2_11_form_backend(**options))(model, *inputs)
     rep = tilecompile.report()
     (fused,) = [r for r in rep.rewrites if r.pass_name == "fused_linear_ce"]
     assert "read from 2 call(s) of TRL's Triton log-prob/entropy kernel" in fused.detail, fused.detail
