@@ -102,13 +102,22 @@ def _from_apply(node: fx.Node, gm: fx.GraphModule) -> KernelCall | None:
     if logits is None or index is None or (launch["HAS_MASK"] and mask is None):
         return None
     # TRL's function returns (logprobs, entropy); torch 2.11 adds its forward's intermediates, unread (_dead_outputs)
-    items = _getitems(node)
-    dead = [item for i, found in items.items() if i not in (0, 1) for item in found if not item.users]
-    others = sum(len(found) for i, found in items.items() if i not in (0, 1))
-    if others != len(dead) or sum(map(len, items.values())) != len(node.users):
+    dead = _unread_items(node, (0, 1))
+    if dead is None:
         return None
+    items = _getitems(node)
     outputs = {"logp": items.get(0, []), "entropy": items.get(1, []), "dead": dead}
     return KernelCall(node, logits, index, mask, float(launch["TEMPERATURE"]), outputs)
+
+
+def _unread_items(node: fx.Node, keep: tuple[int, ...]) -> list[fx.Node] | None:
+    """The getitems of ``node``'s results other than ``keep`` when every use of ``node`` is a getitem and none of
+    those others is read (torch 2.11's unread intermediates, ``_dead_outputs``); None otherwise."""
+    items = _getitems(node)
+    if sum(map(len, items.values())) != len(node.users):
+        return None
+    others = [item for i, found in items.items() if i not in keep for item in found]
+    return None if any(item.users for item in others) else others
 
 
 def _from_launch(node: fx.Node) -> KernelCall | None:
@@ -398,8 +407,8 @@ def _check_linear_backward(
     outer: dict,
     fwd_in: list[fx.Node],
     operands: list[fx.Node],
-    n_outputs: int = 1,
-    index: int = 0,
+    n_outputs: int,
+    index: int,
 ) -> str | None:
     """None when the backward returns exactly the linear's gradients (for each operand, in order); else the reason.
     The backward takes a gradient for each of the forward's ``n_outputs`` results, then the saved tensors; the others'
@@ -515,13 +524,11 @@ def expand_functions(gm: fx.GraphModule, result: Any) -> bool:
         candidate = f"{function_name(node)} at {node.name}"
         items = _getitems(node)
         index = 0 if isinstance(call, str) else call.index
-        dead = [item for i, found in items.items() if i != index for item in found if not item.users]
-        plain = sum(map(len, items.values())) == len(node.users) and len(dead) == len(node.users) - len(
-            items.get(index, [])
-        )
+        dead = _unread_items(node, (index,))
+        plain = dead is not None
         if not isinstance(call, str) and call.kind == "identity":
             if plain:  # the identity is not a region of its own: replaced without a line in the report
-                for item in items.get(0, []):
+                for item in items.get(index, []):
                     item.replace_all_uses_with(call.input)
                     gm.graph.erase_node(item)
                 for item in dead:

@@ -14,6 +14,7 @@ import test_loss_aware as LAT
 import torch
 import torch.nn.functional as F
 from helpers import as_torch_2_11, assert_close, compile_options, torch_2_11_form_backend
+from test_graph import capture
 
 import tilecompile
 
@@ -231,14 +232,7 @@ def test_linear_autograd_function_read_only_when_its_backward_is_the_gradient(fn
 
 def _torch_2_11_linear_graph():
     """_Head(_Linear)'s Dynamo graph in torch 2.11's form, with its autograd.Function call."""
-    graphs = []
-
-    def capture(gm, inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.compile(_Head(_Linear), backend=capture)(torch.randn(3, 7, D), torch.randint(0, 37, (3, 7)))
-    gm = as_torch_2_11(graphs[0])
+    gm = as_torch_2_11(capture(_Head(_Linear), torch.randn(3, 7, D), torch.randint(0, 37, (3, 7))))
     (call,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", None) == "autograd_function_apply"]
     return gm, call
 
