@@ -17,16 +17,40 @@ runs in its own process: Liger patches HF's classes globally, and an OOM or a cr
 
 Per length (doubling, ``--lengths``; one row of B=1): the first step's time (compilation included) and the graphs it
 compiled, then the median of ``--repeats`` steps: tokens/s and peak memory (``max_memory_allocated``, weights and
-grads included). A method stops at its first out-of-memory: its last length that ran is its longest sequence.
+grads included). A method stops at its first out-of-memory (or the ``--search`` after it): the longest length that
+ran is its longest sequence.
 Compiles: static by default, one per length (``torch._dynamo.reset()`` between lengths); ``--dynamic`` compiles
 once with dynamic=True and counts the recompiles (on torch 2.11 CUDA that crashed in the first backward with "shape
 '[N/16, 1536]' is invalid for input of size 1", issue #13). Inductor's caches are off unless ``--warm-cache``, so the
-first step's time is a cold compile. The CSV (``--csv``) carries the GPU name, torch/triton/transformers versions and
-the date; ``benchmarks/plot_e2e.py`` turns it into a PNG.
+first step's time is a cold compile.
+
+Model FLOPs of one step (the ``model_flops`` column; ``tflops`` = model_flops / median step time, ``mfu`` = tflops /
+``--peak-tflops``, by default 989.4: the H100/H200 SXM's dense bf16 peak, NVIDIA's datasheet, without sparsity):
+    model_flops = 6 · P · T + 12 · L · H · d_head · A
+  P       the matmuls' parameters: every nn.Linear weight, the lm_head once even when tied to the embedding (the
+          embedding's lookup is no matmul; norms, biases and the loss are left out); 2 FLOPs per weight and token
+          forward, 4 backward (input and weight grads)
+  T       real tokens of the step (the ``real_tokens`` column): attention_mask's ones, every slot without a mask
+  L, H    layers and query heads (GQA shares K/V, not the products), d_head the head width
+  A       the (query, key) pairs the mask allows among real tokens, summed over rows: per row and document, m real
+          tokens attend their real prefix, m(m+1)/2 pairs; documents (position_ids restarting) split a row only
+          without an attention_mask, as HF's masks do. Per layer and head, QK^T and PV cost 2 · d_head FLOPs a pair
+          each forward (4 · H · d_head · A a layer), backward twice the forward: 12 · L · H · d_head · A.
+Activation checkpointing's recompute is not counted (model FLOPs, not hardware FLOPs), nor the pad slots' work.
+
+The CSV (``--csv``, default benchmarks/results/e2e.csv) gets each row as soon as it is measured, appended to the rows
+there (``--overwrite`` starts it anew; a file with other columns is rewritten with the union of both, old rows' new
+cells empty), so a sweep is split over runs of 10 minutes and a run cut short keeps what it measured; --tiny and CPU
+runs write a temp file, anew each run, unless ``--csv`` says otherwise. Each row carries the GPU name,
+torch/triton/transformers versions, the date and ``--note``. ``--search K``: after a method's first OOM, up to K
+more lengths bisecting the longest that ran and the shortest that ran out of memory (multiples of 4096), each a row;
+an OOM there narrows the search. ``--probe``: the first step and one timed step per length (the note says "single-step
+probe"), for lengths whose repeats would not fit a run. ``benchmarks/plot_e2e.py`` turns the CSV into a PNG and,
+with ``--table``, the README's Markdown tables.
 
 usage: python benchmarks/e2e.py [--models 1.5b,8b] [--methods eager,inductor,liger,tilecompile]
-           [--checkpointing on,off] [--lengths 4096,...,524288] [--dynamic] [--packed K] [--csv PATH]
-           [--padded 8x4096] [--mask ones] [--env TILECOMPILE_ATTENTION=0]
+           [--checkpointing on,off] [--lengths 4096,...,524288] [--dynamic] [--packed K] [--csv PATH] [--overwrite]
+           [--padded 8x4096] [--mask ones] [--env TILECOMPILE_ATTENTION=0] [--search K] [--probe] [--note TEXT]
        python benchmarks/e2e.py --tiny --device cpu --methods eager,tilecompile --inner aot_eager   (smoke test)
 """
 
@@ -55,27 +79,50 @@ MODELS = {  # family, hidden, intermediate, layers, heads, kv heads, vocab, tied
 }
 TINY = (64, 176, 2, 4, 2, 1000)  # hidden, intermediate, layers, heads, kv heads, vocab for --tiny
 METHODS = ("eager", "inductor", "liger", "tilecompile")
+PEAK_TFLOPS = 989.4  # H100/H200 SXM, dense bf16 (NVIDIA's datasheet)
+SEARCH_STEP = 4096  # --search's lengths are multiples of this
 FIELDS = [
     "model", "family", "tiny", "dtype", "layers", "full_layers", "method", "checkpointing", "dynamic", "packed",
     "rows", "mask", "env",
-    "seq_len", "ok", "error", "tok_s", "step_s", "peak_gib", "first_step_s", "compile_s", "graphs", "compiles_total",
-    "rewrites", "host_syncs", "loss", "device", "torch", "triton", "transformers", "liger", "date", "commit",
+    "seq_len", "ok", "error", "tok_s", "step_s", "tflops", "mfu", "peak_gib", "first_step_s", "compile_s", "graphs",
+    "compiles_total", "rewrites", "host_syncs", "loss", "model_flops", "real_tokens", "repeats", "note",
+    "device", "torch", "triton", "transformers", "liger", "date", "commit",
 ]  # fmt: skip
-ROW = "ROW "  # a worker's result lines start with this
+ROW, TRY = "ROW ", "TRY "  # a worker's lines: a result, the row it runs next (its fields before the step's)
 
 
-def write_rows(path: str, rows: list[dict], fields: list[str]) -> pathlib.Path:
-    """``rows`` to ``path``: JSON for a .json path, else CSV of ``fields`` (others left out); the path written."""
+def write_rows(path: str, rows: list[dict], fields: list[str], append: bool = False) -> pathlib.Path:
+    """``rows`` to ``path``: JSON for a .json path, else CSV of ``fields`` (others left out); the path written. With
+    ``append``, after the rows already there; a CSV whose header differs is rewritten with the union of the columns
+    (``fields`` first; cells a row lacks stay empty)."""
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
+    there = append and out.exists() and out.stat().st_size > 0
     if out.suffix == ".json":
-        out.write_text(json.dumps(rows, indent=1) + "\n")
-    else:
-        with open(out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
+        out.write_text(json.dumps((json.loads(out.read_text()) if there else []) + rows, indent=1) + "\n")
+        return out
+    old_fields, old_rows = [], []
+    if there:
+        with open(out, newline="") as f:
+            reader = csv.DictReader(f)
+            old_fields = reader.fieldnames or []
+            old_rows = list(reader) if old_fields != fields else []
+    if there and old_fields == fields:
+        with open(out, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=fields, extrasaction="ignore").writerows(rows)
+        return out
+    union = fields + [c for c in old_fields if c not in fields]
+    part = out.with_name(out.name + ".part")  # replaced in one step: a run killed meanwhile loses no old rows
+    with open(part, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=union, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(old_rows + rows)
+    os.replace(part, out)
     return out
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def versions(device: torch.device) -> dict:
@@ -92,7 +139,7 @@ def versions(device: torch.device) -> dict:
     return dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch=torch.__version__,
         triton=version("triton"), transformers=version("transformers"), liger=version("liger-kernel"),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit,
+        date=_now(), commit=commit,
     )  # fmt: skip
 
 
@@ -170,6 +217,58 @@ def inputs(n: int, vocab: int, packed: int, device: torch.device, rows: int = 1,
     return tuple(None if t is None else t.to(device) for t in (ids, adv, old_logp, pos, attention, loss_mask))
 
 
+def matmul_params(model: torch.nn.Module) -> int:
+    """P: the nn.Linear weights' elements, each weight once (a tied lm_head is the embedding's, counted here once)."""
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return sum(w.numel() for w in weights.values())
+
+
+def real_tokens(rows: int, n: int, attention_mask: torch.Tensor | None) -> int:
+    """T: attention_mask's ones, every slot without a mask."""
+    return rows * n if attention_mask is None else int(attention_mask.sum())
+
+
+def attention_pairs(rows: int, n: int, position_ids=None, attention_mask=None) -> int:
+    """A: the (query, key) pairs the causal mask allows among real tokens, summed over rows. Per row and document the
+    m real tokens attend their real prefix: m(m+1)/2. Documents start where position_ids do not step by one (HF's
+    find_packed_sequence_indices), and only without an attention_mask, as HF builds the mask. O(rows · n) on the host.
+    """
+    real = torch.ones(rows, n, dtype=torch.long) if attention_mask is None else attention_mask.cpu().long()
+    doc = torch.zeros(rows, n, dtype=torch.long)
+    if position_ids is not None and attention_mask is None:
+        pos = position_ids.cpu().expand(rows, n)
+        doc = (torch.diff(pos, prepend=pos[:, :1] - 1) != 1).long().cumsum(-1)
+    doc = doc + (n + 1) * torch.arange(rows)[:, None]  # one bin per (row, document)
+    m = torch.zeros(rows * (n + 1), dtype=torch.long).index_add_(0, doc.flatten(), real.flatten())
+    return int((m * (m + 1) // 2).sum())
+
+
+def model_flops(config, params: int, tokens: int, pairs: int) -> int:
+    """One training step's model FLOPs: 6 · P · T + 12 · L · H · d_head · A (the module docstring derives it)."""
+    d_head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 6 * params * tokens + 12 * config.num_hidden_layers * config.num_attention_heads * d_head * pairs
+
+
+def next_length(lengths: list[int], errors: dict[int, str], search: int, step: int = SEARCH_STEP) -> int | None:
+    """The length to run next, given ``errors``: each length run so far, in run order, '' where it ran, else its error.
+    ``lengths`` in order until the first failure; after an OOM, up to ``search`` more lengths, each the middle (a
+    multiple of ``step``) of the longest that ran (0 if none) and the shortest OOM; None when done."""
+    failed = [n for n, e in errors.items() if e]
+    if not failed:
+        return next((n for n in lengths if n not in errors), None)
+    searched = len(errors) - 1 - list(errors).index(failed[0])
+    if searched >= search or any(e != "OOM" for e in errors.values() if e):
+        return None
+    lo = max((n for n, e in errors.items() if not e), default=0)
+    hi = min(failed)
+    middle = round((lo + hi) / 2 / step) * step
+    return middle if lo < middle < hi else None
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
 def _host_syncs() -> int:
     """Host syncs tilecompile's attention has made so far (its mask plans: one per compiled graph's step)."""
     from tilecompile.kernels import attention as K
@@ -182,7 +281,8 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def worker(cfg: dict) -> None:
-    """One (model, method, checkpointing) over every length; prints one ``ROW {json}`` line per length."""
+    """One (model, method, checkpointing) over every length (and ``--search``'s): ``TRY {json}`` before a length,
+    ``ROW {json}`` after it."""
     from torch._dynamo.utils import counters
 
     import tilecompile
@@ -197,8 +297,9 @@ def worker(cfg: dict) -> None:
                 dtype=str(model.dtype).removeprefix("torch."), layers=model.config.num_hidden_layers,
                 full_layers=full, method=method, checkpointing=int(cfg["checkpointing"]), dynamic=int(dynamic),
                 packed=cfg["packed"], rows=cfg.get("rows", 1), mask=cfg.get("mask", ""),
-                env=cfg.get("env", "") if method == "tilecompile" else "",
-                **versions(device))  # fmt: skip
+                env=cfg.get("env", "") if method == "tilecompile" else "", repeats=cfg["repeats"],
+                note=cfg.get("note", ""), **versions(device))  # fmt: skip
+    params, rows = matmul_params(model), cfg.get("rows", 1)
 
     def compiled():
         step = lambda *a: grpo_step(model, *a)  # noqa: E731
@@ -219,16 +320,20 @@ def worker(cfg: dict) -> None:
             torch.cuda.synchronize(device)
         return time.perf_counter() - start, loss.item()
 
-    step, total = compiled(), 0
-    for n in cfg["lengths"]:
-        row = dict(base, seq_len=n)
+    step, total, errors = compiled(), 0, {}
+    while (n := next_length(cfg["lengths"], errors, cfg.get("search", 0))) is not None:
+        row, batch = dict(base, seq_len=n), None
+        print(TRY + json.dumps(row), flush=True)
         if not dynamic and method in ("inductor", "tilecompile"):
             torch._dynamo.reset()  # one compile per length, as a static-shape user gets it
             step = compiled()
         tilecompile.reset()
         graphs_before = counters["stats"]["unique_graphs"]
         try:
-            batch = inputs(n, model.config.vocab_size, cfg["packed"], device, cfg.get("rows", 1), cfg.get("mask", ""))
+            batch = inputs(n, model.config.vocab_size, cfg["packed"], device, rows, cfg.get("mask", ""))
+            tokens = real_tokens(rows, n, batch[4])
+            flops = model_flops(model.config, params, tokens, attention_pairs(rows, n, batch[3], batch[4]))
+            row.update(model_flops=flops, real_tokens=tokens)
             first, _ = run(step, batch)
             graphs = counters["stats"]["unique_graphs"] - graphs_before
             total += graphs
@@ -243,17 +348,17 @@ def worker(cfg: dict) -> None:
             syncs = (_host_syncs() - syncs) / cfg["repeats"]
             median = statistics.median(times)
             report = tilecompile.report()
-            slots = n * cfg.get("rows", 1)
-            row.update(ok=1, tok_s=round(slots / median, 1), step_s=round(median, 4), first_step_s=round(first, 2),
+            tflops = flops / median / 1e12
+            row.update(ok=1, tok_s=round(n * rows / median, 1), step_s=round(median, 4), first_step_s=round(first, 2),
+                       tflops=_sig(tflops), mfu=_sig(tflops / cfg.get("peak_tflops", PEAK_TFLOPS)),
                        compile_s=round(first - median, 2), graphs=graphs, compiles_total=total, loss=loss,
                        host_syncs=syncs,
                        rewrites=" ".join(f"{k}={v}" for k, v in report.counts.items() if v) if report.graphs else "",
                        peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else "")  # fmt: skip
-        except Exception as exc:  # an OOM ends the method: its previous length was its longest
+        except Exception as exc:  # an OOM ends the doubling (next_length: then the search)
             row.update(ok=0, error="OOM" if _is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:300]}")
+        errors[n] = row.get("error", "")
         print(ROW + json.dumps(row), flush=True)
-        if not row["ok"]:
-            break
         del batch
         if cuda:
             torch.cuda.empty_cache()
@@ -277,7 +382,13 @@ def main() -> None:
     ap.add_argument("--warm-cache", action="store_true", help="let Inductor reuse its caches (default: cold)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help=f"tiny models {TINY}, lengths 64,128: a smoke test")
-    ap.add_argument("--csv", default="", help="default: benchmarks/results/e2e.csv (a temp file with --tiny)")
+    ap.add_argument("--csv", default="", help="appended to; default: benchmarks/results/e2e.csv (--tiny or a CPU: "
+                    "a temp file, anew each run)")  # fmt: skip
+    ap.add_argument("--overwrite", action="store_true", help="start the CSV anew instead of appending to it")
+    ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="MFU's peak (default: H100/H200 bf16)")
+    ap.add_argument("--search", type=int, default=0, help="after the first OOM, up to K bisected lengths")
+    ap.add_argument("--probe", action="store_true", help="one timed step per length (repeats 1), noted in the row")
+    ap.add_argument("--note", default="", help="free text for the rows' note column")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -295,8 +406,12 @@ def main() -> None:
         except ImportError:
             print("liger_kernel is not installed: no liger rows", flush=True)
             methods.remove("liger")
-    out = pathlib.Path(args.csv or (pathlib.Path(tempfile.gettempdir()) / "e2e_tiny.csv" if args.tiny else
+    smoke = args.tiny or not args.device.startswith("cuda")
+    out = pathlib.Path(args.csv or (pathlib.Path(tempfile.gettempdir()) / "e2e_tiny.csv" if smoke else
                                     pathlib.Path(__file__).parent / "results" / "e2e.csv"))  # fmt: skip
+    if (args.overwrite or (smoke and not args.csv)) and out.exists():
+        out.unlink()
+    note = "; ".join(x for x in ("single-step probe" if args.probe else "", args.note) if x)
     print(json.dumps(versions(torch.device(args.device))), flush=True)
     rows = []
     for name in args.models.split(","):
@@ -306,51 +421,56 @@ def main() -> None:
         for method in methods:
             for ckpt in args.checkpointing.split(","):
                 cfg = dict(model=name, method=method, checkpointing=ckpt == "on", lengths=lengths, tiny=args.tiny,
-                           layers=args.layers, dynamic=args.dynamic, packed=args.packed, repeats=args.repeats,
-                           inner=args.inner, warm_cache=args.warm_cache, device=args.device, rows=rows_per_batch,
-                           mask=mask, env=args.env)  # fmt: skip
-                rows += run_worker(cfg)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+                           layers=args.layers, dynamic=args.dynamic, packed=args.packed,
+                           repeats=1 if args.probe else args.repeats, inner=args.inner, warm_cache=args.warm_cache,
+                           device=args.device, rows=rows_per_batch, mask=mask, env=args.env, search=args.search,
+                           peak_tflops=args.peak_tflops, note=note)  # fmt: skip
+                rows += run_worker(cfg, out)
     summary(rows)
     print(f"wrote {out}")
 
 
-def run_worker(cfg: dict) -> list[dict]:
+def run_worker(cfg: dict, out: pathlib.Path) -> list[dict]:
+    """Runs one worker; each of its rows is printed and appended to ``out`` as it comes."""
     cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
     extra = dict(kv.split("=", 1) for kv in cfg.get("env", "").split(",") if kv)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra if cfg["method"] == "tilecompile" else {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    rows = []
+    given = ("model", "method", "packed", "rows", "mask", "repeats", "note")  # until the worker says more
+    rows, trying = [], dict({k: cfg[k] for k in given}, checkpointing=int(cfg["checkpointing"]),
+                            dynamic=int(cfg["dynamic"]), seq_len=cfg["lengths"][0], date=_now())  # fmt: skip
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        write_rows(out, [row], FIELDS, append=True)
+        keys = ("seq_len", "ok", "error", "tok_s", "tflops", "peak_gib", "first_step_s", "graphs", "rewrites",
+                "host_syncs")  # fmt: skip
+        shown = " ".join(f"{k}={row[k]}" for k in keys if row.get(k) not in (None, ""))
+        print(f"{row['method']:<12} ckpt={row['checkpointing']} {shown}", flush=True)
+
     for line in proc.stdout:
-        if line.startswith(ROW):
-            row = json.loads(line[len(ROW) :])
-            rows.append(row)
-            keys = ("seq_len", "ok", "error", "tok_s", "peak_gib", "first_step_s", "graphs", "rewrites", "host_syncs")
-            shown = " ".join(f"{k}={row[k]}" for k in keys if row.get(k) not in (None, ""))
-            print(f"{row['method']:<12} ckpt={row['checkpointing']} {shown}", flush=True)
+        if line.startswith(TRY):
+            trying = json.loads(line[len(TRY) :])
+        elif line.startswith(ROW):
+            add(json.loads(line[len(ROW) :]))
         else:
             print(line, end="")
-    missing = [n for n in cfg["lengths"] if n not in {r["seq_len"] for r in rows}]
-    if proc.wait() != 0 and missing and (not rows or rows[-1]["ok"]):  # died without a word (e.g. a CUDA fault)
-        error = f"worker exited with {proc.returncode}"
-        rows.append(dict(model=cfg["model"], method=cfg["method"], checkpointing=int(cfg["checkpointing"]),
-                         dynamic=int(cfg["dynamic"]), seq_len=missing[0], ok=0, error=error))  # fmt: skip
+    if proc.wait() != 0 and trying["seq_len"] not in {r["seq_len"] for r in rows}:  # died without a word
+        add(dict(trying, ok=0, error=f"worker exited with {proc.returncode}"))
     return rows
 
 
 def summary(rows: list[dict]) -> None:
-    """Per (model, method, checkpointing): longest length that ran, its first-length compile time, compiles."""
+    """Per (model, method, checkpointing): the longest length that ran, the first length's first step (its compile
+    included), compiles, and the shortest longer length's failure."""
     print(f"\n{'model':<6} {'method':<12} {'ckpt':<4} {'longest':>8} {'first step s':>12} {'compiles':>8}  stopped by")
     keys = dict.fromkeys((r["model"], r["method"], r["checkpointing"]) for r in rows)
     for model, method, ckpt in keys:
         mine = [r for r in rows if (r["model"], r["method"], r["checkpointing"]) == (model, method, ckpt)]
         ok = [r for r in mine if r["ok"]]
-        failed = next((r["error"] for r in mine if not r["ok"]), "")
         longest = max((r["seq_len"] for r in ok), default=0)
+        above = sorted((r["seq_len"], r["error"]) for r in mine if not r["ok"] and r["seq_len"] > longest)
+        failed = f"{above[0][1]} at {above[0][0]}" if above else ""
         first = ok[0]["first_step_s"] if ok else ""
         compiles = sum(r.get("graphs", 0) or 0 for r in ok)
         print(f"{model:<6} {method:<12} {'on' if ckpt else 'off':<4} {longest:>8} {first:>12} {compiles:>8}  {failed}")
