@@ -1,10 +1,17 @@
 """Plot benchmarks/e2e.py's CSV: peak memory and tokens/s against sequence length, one line per method.
 
-One row of panels per model (and per static/dynamic compile when the CSV has both); colour is the method, a solid
-line has activation checkpointing on, a dashed one off. A line ends at the method's longest sequence; the legend
-gives that length and what stopped it (OOM or an error). The title carries the GPU, versions and date from the CSV.
+One row of panels per model (and per static/dynamic compile, and per batch layout, when the CSV has several); colour
+is the method, a solid line has activation checkpointing on, a dashed one off. A line ends at the method's longest
+sequence; the legend gives that length and what stopped it (OOM or an error). The title carries the GPUs, versions and
+dates from the CSV. The CSV is read as e2e.py appends it: where a (model, method, checkpointing, dynamic, rows, mask,
+packed, seq_len) was measured more than once (with the same tiny, layers and env: a cut model or a flag's run is
+another measurement), the latest date's row counts; older rows' missing columns read as their defaults.
 
-usage: python benchmarks/plot_e2e.py [benchmarks/results/e2e.csv] [--out PNG]   (needs matplotlib)
+``--table`` prints the README's Markdown instead: a line per (model, method, checkpointing, compile, batch, length)
+with tokens/s, peak GiB, TFLOP/s, MFU %, first step s, compiles and note (the env flags first); padded batches
+(rows > 1 or TRL's mask) in a table of their own, each table under a line of its GPUs, versions and dates.
+
+usage: python benchmarks/plot_e2e.py [benchmarks/results/e2e.csv] [--out PNG] [--table]   (the PNG needs matplotlib)
 """
 
 from __future__ import annotations
@@ -15,6 +22,10 @@ import pathlib
 
 SHAPES = {"1.5b": "Qwen2.5-1.5B shape", "8b": "Llama-3-8B shape"}
 COLORS = {"eager": "tab:gray", "inductor": "tab:blue", "liger": "tab:orange", "tilecompile": "tab:green"}
+KEY = ("model", "tiny", "layers", "env", "method", "checkpointing", "dynamic", "rows", "mask", "packed", "seq_len")
+DEFAULTS = {"rows": "1", "packed": "0", "dynamic": "0"}  # what older CSVs without these columns measured
+COLUMNS = ("model", "method", "ckpt", "compile", "batch", "length", "tokens/s", "peak GiB", "TFLOP/s", "MFU %",
+           "first step s", "compiles", "note")  # fmt: skip
 
 
 def _tokens(n: int) -> str:
@@ -23,6 +34,82 @@ def _tokens(n: int) -> str:
 
 def _float(x: str) -> float | None:
     return float(x) if x not in ("", None) else None
+
+
+def latest(rows: list[dict]) -> list[dict]:
+    """One row per ``KEY``: the latest date's (the later in the file on a tie); every cell a string, '' if missing."""
+    best = {}
+    for r in rows:
+        r = {k: v or "" for k, v in r.items() if k}
+        r.update({k: r.get(k) or v for k, v in DEFAULTS.items()})
+        key = tuple(r.get(k, "") for k in KEY)
+        if key not in best or r.get("date", "") >= best[key].get("date", ""):
+            best[key] = r
+    return list(best.values())
+
+
+def read(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        return latest([r for r in csv.DictReader(f) if r.get("seq_len")])
+
+
+def _padded(r: dict) -> bool:
+    return r["rows"] != "1" or r.get("mask") == "trl"
+
+
+def _layout(r: dict) -> str:
+    """The batch beside its length: rows, documents, the attention_mask."""
+    mask = {"trl": "TRL-padded", "ones": "all-ones mask"}.get(r.get("mask", ""), r.get("mask", ""))
+    parts = (f"{r['rows']} rows" if r["rows"] != "1" else "", f"{r['packed']} documents" if r["packed"] != "0" else "")
+    return ", ".join(p for p in (*parts, mask) if p) or "one row"
+
+
+def _env(rows: list[dict]) -> str:
+    """The GPUs, versions and days the rows were measured on."""
+
+    def each(k: str) -> str:
+        return ", ".join(sorted({r.get(k, "") for r in rows} - {""})) or "-"
+
+    return (f"{each('device')}; torch {each('torch')}, triton {each('triton')}, transformers {each('transformers')}; "
+            f"{', '.join(sorted({r.get('date', '')[:10] for r in rows} - {''})) or 'undated'}")  # fmt: skip
+
+
+def _order(r: dict) -> tuple:
+    """Model, batch (one row first), compile, method, checkpointing on first, length."""
+    rank = lambda x, known: (list(known).index(x) if x in known else len(known), x)  # noqa: E731
+    batch = (_padded(r), _layout(r) != "one row", _layout(r))
+    model = (rank(r["model"], SHAPES), r.get("tiny", ""), _int(r.get("layers")))
+    return (*model, *batch, r["dynamic"], rank(r["method"], COLORS), r["checkpointing"] != "1", _int(r["seq_len"]))
+
+
+def _int(x: str | None) -> int:
+    return int(x) if x else 0
+
+
+def _cells(r: dict) -> list[str]:
+    model = r["model"] + (" tiny" if r.get("tiny") == "1" else "")
+    if r.get("layers") and r.get("full_layers") and r["layers"] != r["full_layers"]:
+        model += f" ({r['layers']} of {r['full_layers']} layers)"
+    ok = r.get("ok") == "1"
+    tok_s, peak, tflops, mfu = (_float(r.get(k)) for k in ("tok_s", "peak_gib", "tflops", "mfu"))
+    cells = [model, r["method"], "on" if r["checkpointing"] == "1" else "off",
+             "dynamic" if r["dynamic"] == "1" else "static", _layout(r), _tokens(_int(r["seq_len"])),
+             f"{tok_s:,.0f}" if ok and tok_s is not None else r.get("error", "")[:40] or "failed",
+             "" if peak is None else f"{peak:.2f}", "" if tflops is None else f"{tflops:.3g}",
+             "" if mfu is None else f"{100 * mfu:.1f}", r.get("first_step_s", ""), r.get("graphs", ""),
+             "; ".join(x for x in (r.get("env", ""), r.get("note", "")) if x)]  # fmt: skip
+    return [c.replace("|", "\\|") for c in cells]
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: the one-row table, then the padded batches' (rows > 1 or TRL's mask), each under its env line."""
+    out = []
+    for title, padded in (("One row", False), ("Padded batches", True)):
+        mine = [r for r in rows if _padded(r) == padded]
+        if mine:
+            out += [f"{title}: {_env(mine)}", "", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+            out += ["| " + " | ".join(_cells(r)) + " |" for r in sorted(mine, key=_order)] + [""]
+    return "\n".join(out)
 
 
 def plot(rows: list[dict], out: pathlib.Path) -> None:
@@ -34,15 +121,17 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
     except ImportError as exc:
         raise SystemExit("plot_e2e.py needs matplotlib: pip install matplotlib") from exc
 
-    panels = sorted({(r["model"], r["dynamic"]) for r in rows}, key=lambda k: (list(SHAPES).index(k[0]), k[1]))
+    panel = lambda r: (r["model"], r.get("tiny"), r.get("layers"), r["dynamic"], _layout(r))  # noqa: E731
+    panels = list(dict.fromkeys(panel(r) for r in sorted(rows, key=_order)))
     fig, axes = plt.subplots(len(panels), 2, figsize=(13, 4.2 * len(panels)), squeeze=False)
-    for (model, dynamic), (ax_mem, ax_tok) in zip(panels, axes):
-        mine = [r for r in rows if (r["model"], r["dynamic"]) == (model, dynamic)]
+    for key, (ax_mem, ax_tok) in zip(panels, axes):
+        model, _, _, dynamic, layout = key
+        mine = [r for r in rows if panel(r) == key]
         first = mine[0]
         depth = f"{first['layers']} of {first['full_layers']} layers" if first.get("layers") else ""
         compile_kind = "one dynamic compile" if dynamic == "1" else "static compile per length"
         shape = SHAPES.get(model, model) if first.get("tiny") != "1" else f"tiny stand-in for {model}"
-        title = f"{shape} ({depth}), {compile_kind}"
+        title = f"{shape} ({depth}), {compile_kind}" + ("" if layout == "one row" else f", {layout}")
         order = list(COLORS)
         lines = sorted({(r["method"], r["checkpointing"]) for r in mine}, key=lambda k: (order.index(k[0]), k[1]))
         for method, ckpt in lines:
@@ -61,7 +150,7 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
             ax_tok.plot(xs, [_float(r["tok_s"]) for r in ok], **style)
         for ax, ylabel in ((ax_mem, "peak memory (GiB, max_memory_allocated)"), (ax_tok, "tokens/s")):
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("sequence length (tokens, one row)")
+            ax.set_xlabel(f"sequence length (tokens, {'per row' if _padded(first) else 'one row'})")
             ax.set_ylabel(ylabel)
             ax.set_title(title, fontsize=10)
             ax.grid(True, alpha=0.3)
@@ -70,13 +159,9 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
         if not ax_mem.lines:
             ax_mem.text(0.5, 0.5, "peak memory not measured (CPU)", ha="center", transform=ax_mem.transAxes)
         ax_tok.legend(fontsize=7)
-    env = rows[0]
-    fig.suptitle(
-        f"One GRPO training step (fwd + bwd), {env.get('dtype') or 'bf16'}, random init — {env['device']}, "
-        f"torch {env['torch']}, triton {env['triton'] or '-'}, transformers {env['transformers']}, {env['date']}",
-        fontsize=10,
-    )
-    fig.tight_layout()
+    dtype = rows[0].get("dtype") or "bf16"
+    fig.suptitle(f"One GRPO training step (fwd + bwd), {dtype}, random init\n{_env(rows)}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))  # room for the two title lines
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
 
@@ -85,12 +170,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", nargs="?", default=str(pathlib.Path(__file__).parent / "results" / "e2e.csv"))
     ap.add_argument("--out", default="", help="PNG path (default: the CSV's path with .png)")
+    ap.add_argument("--table", action="store_true", help="print the Markdown tables instead of the PNG")
     args = ap.parse_args()
-    with open(args.csv, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["seq_len"]]
+    rows = read(args.csv)
     if not rows:
         raise SystemExit(f"{args.csv} has no rows")
-    plot(rows, pathlib.Path(args.out or pathlib.Path(args.csv).with_suffix(".png")))
+    if args.table:
+        print(table(rows))
+    else:
+        plot(rows, pathlib.Path(args.out or pathlib.Path(args.csv).with_suffix(".png")))
 
 
 if __name__ == "__main__":
