@@ -76,25 +76,52 @@ def test_dynamic_hf_style_step_compiles_without_a_restart(monkeypatch):
 
 
 def test_specialized_floats_keep_their_guards(monkeypatch):
-    """What the restart did, the backend does: the specialized float is guarded on its value (a change recompiles
-    and computes with the new value); a float in tensor math (the norm's eps) stays symbolic (no recompile)."""
+    """A module's floats become constants guarded on their value: the first change recompiles and computes with the
+    new value; a float that changed is symbolic from then on (no recompile a value). A float passed as an argument
+    stays symbolic from the start."""
     specialized = []
-    spec = backend.specialize_untensorifiable_floats
-    monkeypatch.setattr(backend, "specialize_untensorifiable_floats", lambda gm: specialized.extend(spec(gm)) or [])
+    spec = backend.specialize_module_floats
+    monkeypatch.setattr(backend, "specialize_module_floats", lambda gm: specialized.extend(spec(gm)) or [])
     model = Model()
-    f = torch.compile(model, backend="tilecompile", dynamic=True, options=compile_options())
+    f = torch.compile(lambda ids, t: model(ids) * t, backend="tilecompile", dynamic=True, options=compile_options())
     ids = torch.randint(0, 50, (2, 9))
-    f(ids).backward()
-    assert len(specialized) == 5, specialized  # norm_type, and each layer's scale and dropout_p
+    f(ids, 0.5).backward()
+    assert len(specialized) == 7, specialized  # norm_type, and each layer's eps, scale and dropout_p
     frames = counters["frames"]["ok"]
-    for block in model.blocks:
-        block.eps = 1e-3
-    assert_close(f(ids), model(ids), rtol=1e-5, atol=1e-6, name="loss after eps changed")
-    assert counters["frames"]["ok"] == frames, "a float used in tensor math was specialized"
-    for block in model.blocks:
-        block.scaling = 0.5
-    assert_close(f(ids), model(ids), rtol=1e-5, atol=1e-6, name="loss after scale changed")
-    assert counters["frames"]["ok"] == frames + 1, "the specialized scale lost its guard"
+    assert_close(f(ids, 0.25), model(ids) * 0.25, rtol=1e-5, atol=1e-6, name="loss at another t")
+    assert counters["frames"]["ok"] == frames, "a float argument was specialized"
+    # SDPA's scale reaches ATen as a double: it can never be symbolic, each value is a compile (as in torch)
+    for eps, scaling, recompiled in ((1e-3, 0.5, 1), (1e-2, 0.5, 0), (1e-2, 0.25, 1)):
+        for block in model.blocks:
+            block.eps, block.scaling = eps, scaling
+        assert_close(f(ids, 0.5), model(ids) * 0.5, rtol=1e-5, atol=1e-6, name=f"loss at eps {eps}")
+        assert counters["frames"]["ok"] == frames + recompiled, f"eps {eps}: the guard or the memory of it is lost"
+        frames = counters["frames"]["ok"]
+
+
+def test_module_floats_leave_no_cpu_scalar_math(monkeypatch):
+    """Under dynamic=True, no op of the compiled forward reads a module's float as a tensor (what AOTAutograd makes
+    of a symbolic float: a float64 CPU scalar tensor, C++ kernels beside the GPU's); with the setting off, some do."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    forwards = []
+
+    def inner(gm, example_inputs, *_):
+        fw = lambda g, _: forwards.append(g) or g  # noqa: E731
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=lambda g, _: g)
+
+    monkeypatch.setattr(backend, "_inner_compile", inner)
+
+    def reads_of_float_tensors(specialize: bool) -> int:
+        options = compile_options(specialize_module_floats=specialize)
+        torch.compile(Model(), backend="tilecompile", dynamic=True, options=options)(torch.randint(0, 50, (2, 9)))
+        gm = forwards[-1]
+        vals = {n: n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")}
+        scalars = {n for n, v in vals.items() if isinstance(v, torch.Tensor) and v.dtype == torch.float64}
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and scalars & set(n.all_input_nodes))
+
+    assert reads_of_float_tensors(False) > 0, "the test no longer sees what it is about"
+    assert reads_of_float_tensors(True) == 0
 
 
 def test_pass_times_count_each_pass_once_per_graph():
@@ -116,6 +143,7 @@ def test_a_failing_specialization_costs_only_the_restart(monkeypatch):
         raise AttributeError("no TensorifyState here")
 
     monkeypatch.setattr(backend, "specialize_untensorifiable_floats", broken)
+    monkeypatch.setattr(backend, "specialize_module_floats", broken)
     runs = _runs(monkeypatch)
     model = Model()
     f = torch.compile(model, backend="tilecompile", dynamic=True, options=compile_options(strict=False))

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,7 +47,7 @@ def tilecompile_backend(
     with R.discarded_on(torch._dynamo.exc.RestartAnalysis):
         R.count_graph()
         graph_name = f"graph {R.report().graphs}"
-        _specialize_floats(gm, settings.strict)
+        _specialize_floats(gm, settings)
         with R.graph_scope(graph_name):
             gm = run_passes(gm, settings, graph_name)
             _note_graph_breaks(gm, settings)
@@ -129,14 +130,122 @@ def is_dynamic(example_inputs: Sequence[Any]) -> bool:
     return False
 
 
-def _specialize_floats(gm: fx.GraphModule, strict: bool) -> None:
-    """``specialize_untensorifiable_floats``; should it fail (torch's internals differ), Dynamo restarts as before."""
-    try:
-        specialize_untensorifiable_floats(gm)
-    except Exception as exc:  # noqa: BLE001 - a missed saving, never a failed compile
-        if strict:
-            raise
-        log.info("floats not specialized before AOTAutograd (%s: %s); Dynamo may restart", type(exc).__name__, exc)
+def _specialize_floats(gm: fx.GraphModule, settings: config.Settings) -> None:
+    """``specialize_module_floats`` (if on), then ``specialize_untensorifiable_floats``; should either fail (torch's
+    internals differ), the graph compiles as before (floats symbolic, Dynamo restarting for some)."""
+    steps = [specialize_module_floats] if settings.specialize_module_floats else []
+    for step in (*steps, specialize_untensorifiable_floats):
+        try:
+            step(gm)
+        except Exception as exc:  # noqa: BLE001 - a missed saving, never a failed compile
+            if settings.strict:
+                raise
+            log.info("%s failed (%s: %s); floats stay symbolic", step.__name__, type(exc).__name__, exc)
+
+
+# (Dynamo's frame id, source) of a module's float -> the value it was specialized to. A float that a recompile of
+# the same frame sees with another value varies (a schedule written into a module attribute): it stays symbolic
+# from then on, one recompile rather than one per value.
+_MODULE_FLOATS: dict[tuple[int | None, str], float] = {}
+
+
+def specialize_module_floats(gm: fx.GraphModule) -> list[str]:
+    """Under ``dynamic=True``, replace each float attribute of an ``nn.Module`` by its value, guarded; returns the
+    symbols specialized.
+
+    Such a float (an RMSNorm's eps, attention's ``scaling``, RoPE's ``attention_scaling``) enters the Dynamo graph
+    as a 0-d float64 CPU tensor placeholder read by ``.item()``. AOTAutograd turns the tensor math on it into ops
+    on that CPU tensor (``_tensorify_python_scalars``), so Inductor compiles C++ kernels for them beside the GPU's
+    and every kernel that reads one takes it as an argument instead of a literal. A static compile treats these
+    floats as constants; modules do not change them from step to step. Each ``.item()`` of the placeholder (in the
+    graph or in an activation-checkpoint body) is replaced by the value, with ``guard_scalar``'s value guard (a
+    changed value recompiles) and ``TensorifyState.specialize`` (so that AOTAutograd does not restart Dynamo for
+    the float no node reads any more). A float whose value changed since it was last specialized stays symbolic.
+    Floats passed as arguments (a temperature, a coefficient) are left alone.
+    """
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    frame, done = getattr(compile_id, "frame_id", None), []
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        memo = getattr(ph.meta.get("example_value"), "item_memo", None)
+        symbol = getattr(getattr(memo, "node", None), "_expr", None)
+        source = getattr(ph.meta.get("grapharg"), "source", None)
+        if not isinstance(memo, torch.SymFloat) or not hasattr(symbol, "name") or not _is_module_attribute(source):
+            continue
+        items, name = _item_uses(gm, ph), source.name  # a method before torch 2.12, a property since
+        key = (frame, name() if callable(name) else name)
+        known = _MODULE_FLOATS.get(key)
+        if items is None or TensorifyState.should_specialize(symbol.name):
+            continue
+        if known is not None and known != float(memo.node.hint):
+            _MODULE_FLOATS[key] = math.nan  # it varies: symbolic from now on, as torch keeps it
+            continue
+        value = float(guard_scalar(memo))
+        _MODULE_FLOATS[key] = value
+        for module, item in items:
+            _replace_by_constant(module, item, value)
+        TensorifyState.specialize(symbol.name)
+        done.append(symbol.name)
+    if done:
+        log.debug("specialized %d module floats to guarded constants: %s", len(done), done)
+    return done
+
+
+def _replace_by_constant(gm: fx.GraphModule, node: fx.Node, value: float) -> None:
+    def swap(a: fx.Node) -> Any:
+        return value if a is node else a
+
+    for user in list(node.users):
+        user.args, user.kwargs = fx.node.map_arg(user.args, swap), fx.node.map_arg(user.kwargs, swap)
+    gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _is_module_attribute(source: Any) -> bool:
+    """``source`` reads an attribute of an ``nn.Module`` (its chain of bases passes through a module's source)."""
+    if type(source).__name__ != "AttrSource":
+        return False
+    while source is not None:
+        if type(source).__name__.endswith("NNModuleSource"):
+            return True
+        source = getattr(source, "base", None)
+    return False
+
+
+def _item_uses(gm: fx.GraphModule, value: fx.Node) -> list[tuple[fx.GraphModule, fx.Node]] | None:
+    """The ``.item()`` nodes that read the 0-d tensor ``value``, followed into checkpoint bodies, with the graph
+    module each lies in; None if some use is anything else."""
+    found = []
+    for user in value.users:
+        if user.op == "call_method" and user.target == "item" and len(user.args) == 1:
+            found.append((gm, user))
+            continue
+        body, placeholders = _hop_body(gm, user, value)
+        if body is None:
+            return None
+        for ph in placeholders:
+            inner = _item_uses(body, ph)
+            if inner is None:
+                return None
+            found += inner
+    return found
+
+
+def _hop_body(gm: fx.GraphModule, user: fx.Node, value: fx.Node) -> tuple[fx.GraphModule | None, list[fx.Node]]:
+    """(body, its placeholders that receive ``value``) when ``user`` is a checkpoint / wrap HOP passing ``value``
+    positionally to its body; (None, []) otherwise."""
+    if user.op != "call_function" or getattr(user.target, "__name__", "") not in _BODY_HOPS:
+        return None, []
+    body_attr = user.args[0] if user.args else None
+    body = getattr(gm, body_attr.target, None) if getattr(body_attr, "op", "") == "get_attr" else None
+    if not isinstance(body, fx.GraphModule) or value in user.kwargs.values():
+        return None, []
+    placeholders = list(body.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(user.args) - 1:
+        return None, []
+    return body, [placeholders[i - 1] for i, a in enumerate(user.args) if a is value]
 
 
 def specialize_untensorifiable_floats(gm: fx.GraphModule) -> list[str]:
@@ -187,19 +296,10 @@ def _only_double_uses(gm: fx.GraphModule, value: fx.Node) -> bool:
         if user.op == "call_method" and user.target == "item" and len(user.args) == 1:
             if not user.users or not all(_is_double_arg(u, user) for u in user.users):
                 return False
-        elif user.op == "call_function" and getattr(user.target, "__name__", "") in _BODY_HOPS:
-            body_attr = user.args[0] if user.args else None
-            body = getattr(gm, body_attr.target, None) if getattr(body_attr, "op", "") == "get_attr" else None
-            if not isinstance(body, fx.GraphModule) or value in user.kwargs.values():
-                return False
-            placeholders = list(body.graph.find_nodes(op="placeholder"))
-            if len(placeholders) != len(user.args) - 1:
-                return False
-            uses = [placeholders[i - 1] for i, a in enumerate(user.args) if a is value]
-            if not all(_only_double_uses(body, ph) for ph in uses):
-                return False
         else:
-            return False
+            body, uses = _hop_body(gm, user, value)
+            if body is None or not all(_only_double_uses(body, ph) for ph in uses):
+                return False
     return True
 
 

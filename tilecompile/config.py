@@ -65,6 +65,8 @@ _SPECS: dict[str, _Spec] = {
     "trace_import_errors": _Spec(bool, True, "a failing import in compiled code raises ImportError in the graph"),
     # DDP (optimize_ddp's graph split at bucket boundaries): the passes see the whole graph, then it is split
     "ddp_split_after_passes": _Spec(bool, True, "under DDP, rewrite the whole graph before DDP's bucket split"),
+    # dynamic=True: a module's float attributes (norm eps, attention scaling) become constants guarded on their value
+    "specialize_module_floats": _Spec(bool, True, "under dynamic shapes, modules' float attributes are constants"),
 }
 
 _ALIASES = {f"TILECOMPILE_{name.upper()}": name for name in _SPECS}
@@ -123,6 +125,7 @@ class Settings:
     check_inputs: bool
     trace_import_errors: bool
     ddp_split_after_passes: bool
+    specialize_module_floats: bool
 
     def pass_enabled(self, pass_name: str) -> bool:
         return bool(getattr(self, pass_name))
