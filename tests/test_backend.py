@@ -199,8 +199,9 @@ def test_report_contents_and_reset(monkeypatch):
 
 
 def test_dynamo_restart_is_reported_once(monkeypatch):
-    """Under dynamic=True AOTAutograd specialises a symbolic float (here the exponent, an attribute of the module)
-    by making Dynamo restart its analysis: the backend runs twice for one graph, and only the last run counts."""
+    """Under dynamic=True AOTAutograd specialises a symbolic float (here the exponent, an attribute of the module,
+    left symbolic by the setting) by making Dynamo restart its analysis: the backend runs twice for one graph, and
+    only the last run counts."""
     from tilecompile import backend
 
     runs = []
@@ -216,11 +217,15 @@ def test_dynamo_restart_is_reported_once(monkeypatch):
             return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x)).pow(self.p).mean()
 
     x = torch.randn(3, 5, 8, requires_grad=True)
-    f = torch.compile(GatedPow(), backend="tilecompile", dynamic=True, options=compile_options())
-    f(x).backward()
-    rep = tilecompile.report()
-    assert len(runs) == 2, "the restart this test is about did not happen"
-    assert rep.graphs == 1 and rep.counts["tiled_mlp"] == 1, rep
+    for specialize, expected_runs in ((False, 2), (True, 1)):  # a module's float is a constant by default
+        runs.clear()
+        tilecompile.reset()
+        torch._dynamo.reset()
+        options = compile_options(specialize_module_floats=specialize)
+        torch.compile(GatedPow(), backend="tilecompile", dynamic=True, options=options)(x).backward()
+        rep = tilecompile.report()
+        assert len(runs) == expected_runs, f"specialize_module_floats={specialize}: {len(runs)} runs"
+        assert rep.graphs == 1 and rep.counts["tiled_mlp"] == 1, rep
 
 
 def test_passes_run_in_nested_graphs(monkeypatch):
