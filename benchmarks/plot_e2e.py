@@ -1,6 +1,7 @@
 """Plot benchmarks/e2e.py's CSV: peak memory and tokens/s against sequence length, one line per method.
 
-One row of panels per model (and per static/dynamic compile, and per batch layout, when the CSV has several); colour
+One row of panels per model (and per static/dynamic compile, and per batch layout, when the CSV has several), log
+axes; a batch layout measured at one length only is left to the table (a panel of one dot says nothing); colour
 is the method, a solid line has activation checkpointing on, a dashed one off. A line ends at the method's longest
 sequence; the legend gives that length and what stopped it (OOM or an error). The title carries the GPUs, versions and
 dates from the CSV. The CSV is read as e2e.py appends it: where a (model, method, checkpointing, dynamic, rows, mask,
@@ -122,7 +123,13 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
         raise SystemExit("plot_e2e.py needs matplotlib: pip install matplotlib") from exc
 
     panel = lambda r: (r["model"], r.get("tiny"), r.get("layers"), r["dynamic"], _layout(r))  # noqa: E731
-    panels = list(dict.fromkeys(panel(r) for r in sorted(rows, key=_order)))
+    lengths: dict[tuple, set] = {}
+    for r in rows:
+        lengths.setdefault(panel(r), set()).add(r["seq_len"])
+    # a panel is a sweep over lengths; a batch measured at one length only is a row of the table, not a dot
+    panels = [k for k in dict.fromkeys(panel(r) for r in sorted(rows, key=_order)) if len(lengths[k]) > 1]
+    if not panels:
+        raise SystemExit("no batch layout was measured at more than one length: nothing to plot (see --table)")
     fig, axes = plt.subplots(len(panels), 2, figsize=(13, 4.2 * len(panels)), squeeze=False)
     for key, (ax_mem, ax_tok) in zip(panels, axes):
         model, _, _, dynamic, layout = key
@@ -150,6 +157,7 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
             ax_tok.plot(xs, [_float(r["tok_s"]) for r in ok], **style)
         for ax, ylabel in ((ax_mem, "peak memory (GiB, max_memory_allocated)"), (ax_tok, "tokens/s")):
             ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
             ax.set_xlabel(f"sequence length (tokens, {'per row' if _padded(first) else 'one row'})")
             ax.set_ylabel(ylabel)
             ax.set_title(title, fontsize=10)
