@@ -99,6 +99,22 @@ def test_specialized_floats_keep_their_guards(monkeypatch):
         frames = counters["frames"]["ok"]
 
 
+def test_automatic_dynamic_floats_stay_symbolic():
+    """Under dynamic=None Dynamo makes a module's float symbolic only after it changed: the backend leaves it so (a
+    second change compiles nothing, as with Inductor)."""
+    model = Model()
+    f = torch.compile(model, backend="tilecompile", options=compile_options())
+    ids = torch.randint(0, 50, (2, 9))
+    f(ids)
+    frames = counters["frames"]["ok"]
+    for eps, recompiled in ((1e-3, 1), (1e-2, 0)):
+        for block in model.blocks:
+            block.eps = eps
+        assert_close(f(ids), model(ids), rtol=1e-5, atol=1e-6, name=f"loss at eps {eps}")
+        assert counters["frames"]["ok"] == frames + recompiled, f"eps {eps}"
+        frames = counters["frames"]["ok"]
+
+
 def test_module_floats_leave_no_cpu_scalar_math(monkeypatch):
     """Under dynamic=True, no op of the compiled forward reads a module's float as a tensor (what AOTAutograd makes
     of a symbolic float: a float64 CPU scalar tensor, C++ kernels beside the GPU's); with the setting off, some do."""

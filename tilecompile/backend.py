@@ -161,11 +161,14 @@ def specialize_module_floats(gm: fx.GraphModule) -> list[str]:
     graph or in an activation-checkpoint body) is replaced by the value, with ``guard_scalar``'s value guard (a
     changed value recompiles) and ``TensorifyState.specialize`` (so that AOTAutograd does not restart Dynamo for
     the float no node reads any more). A float whose value changed since it was last specialized stays symbolic.
-    Floats passed as arguments (a temperature, a coefficient) are left alone.
+    Floats passed as arguments (a temperature, a coefficient) are left alone, and so is every float when the compile
+    assumes static shapes (``dynamic=None``): Dynamo makes a float symbolic there only after its value changed.
     """
     from torch._dynamo.symbolic_convert import TensorifyState
     from torch.fx.experimental.symbolic_shapes import guard_scalar
 
+    if torch._dynamo.config.assume_static_by_default:  # dynamic=None: a float is symbolic only once it has changed
+        return []
     compile_id = torch._guards.CompileContext.current_compile_id()
     frame, done = getattr(compile_id, "frame_id", None), []
     for ph in gm.graph.find_nodes(op="placeholder"):
