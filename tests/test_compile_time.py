@@ -97,6 +97,11 @@ def test_specialized_floats_keep_their_guards(monkeypatch):
         assert_close(f(ids, 0.5), model(ids) * 0.5, rtol=1e-5, atol=1e-6, name=f"loss at eps {eps}")
         assert counters["frames"]["ok"] == frames + recompiled, f"eps {eps}: the guard or the memory of it is lost"
         frames = counters["frames"]["ok"]
+    torch._dynamo.reset()  # frame ids start again: what was learnt of the old frame does not hold for the new one
+    f = torch.compile(lambda ids, t: model(ids) * t, backend="tilecompile", dynamic=True, options=compile_options())
+    specialized.clear()
+    f(ids, 0.5)
+    assert len(specialized) == 7, specialized
 
 
 def test_automatic_dynamic_floats_stay_symbolic():

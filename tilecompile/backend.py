@@ -171,6 +171,9 @@ def specialize_module_floats(gm: fx.GraphModule) -> list[str]:
         return []
     compile_id = torch._guards.CompileContext.current_compile_id()
     frame, done = getattr(compile_id, "frame_id", None), []
+    if getattr(compile_id, "frame_compile_id", None) == 0:  # a frame's first compile (ids restart at dynamo.reset())
+        for key in [k for k in _MODULE_FLOATS if k[0] == frame]:
+            del _MODULE_FLOATS[key]
     for ph in gm.graph.find_nodes(op="placeholder"):
         memo = getattr(ph.meta.get("example_value"), "item_memo", None)
         symbol = getattr(getattr(memo, "node", None), "_expr", None)
