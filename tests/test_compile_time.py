@@ -171,3 +171,43 @@ def test_a_failing_specialization_costs_only_the_restart(monkeypatch):
     ids = torch.randint(0, 50, (2, 9))
     assert_close(f(ids), model(ids), rtol=1e-5, atol=1e-6, name="loss")
     assert len(runs) == 2, "the restart this test is about did not happen"
+
+
+def test_a_changed_float_outside_checkpoints_stays_symbolic():
+    """A module float read outside any checkpoint: the first change recompiles, later ones do not; a float argument
+    of another compiled function stays symbolic after a model with many module floats compiled."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.alpha = 0.5
+
+        def forward(self, x):
+            return x * self.alpha + 1
+
+    model, x = Scaled(), torch.randn(4, 3)
+    f = torch.compile(model, backend="tilecompile", dynamic=True, options=compile_options())
+    f(x)
+    frames = counters["frames"]["ok"]
+    for alpha, recompiled in ((0.25, 1), (0.125, 0), (0.0625, 0)):
+        model.alpha = alpha
+        assert_close(f(x), model(x), rtol=0, atol=0, name=f"alpha {alpha}")
+        assert counters["frames"]["ok"] == frames + recompiled, f"alpha {alpha}"
+        frames = counters["frames"]["ok"]
+
+    class Norms(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norms = torch.nn.ModuleList(Scaled() for _ in range(60))
+
+        def forward(self, x):
+            for n in self.norms:
+                x = n(x)
+            return x
+
+    torch.compile(Norms(), backend="tilecompile", dynamic=True, options=compile_options())(x)
+    g = torch.compile(lambda x, t: x * t, backend="tilecompile", dynamic=True, options=compile_options())
+    frames = counters["frames"]["ok"]
+    for t in (0.5, 0.25, 0.125):
+        g(x, t)
+    assert counters["frames"]["ok"] == frames + 1, "a float argument was specialized"

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import math
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,11 +46,14 @@ def tilecompile_backend(
     with R.discarded_on(torch._dynamo.exc.RestartAnalysis):
         R.count_graph()
         graph_name = f"graph {R.report().graphs}"
-        _specialize_floats(gm, settings)
-        with R.graph_scope(graph_name):
-            gm = run_passes(gm, settings, graph_name)
-            _note_graph_breaks(gm, settings)
-        compiled = _inner_compile(gm, example_inputs, settings.inner, mode, inductor_options)
+        try:
+            _specialize_floats(gm, settings)
+            with R.graph_scope(graph_name):
+                gm = run_passes(gm, settings, graph_name)
+                _note_graph_breaks(gm, settings)
+            compiled = _inner_compile(gm, example_inputs, settings.inner, mode, inductor_options)
+        finally:
+            _forget_specialized_floats()
         return R.serving(graph_name, gm, compiled)  # the report counts the modules this graph serves
 
 
@@ -143,10 +145,43 @@ def _specialize_floats(gm: fx.GraphModule, settings: config.Settings) -> None:
             log.info("%s failed (%s: %s); floats stay symbolic", step.__name__, type(exc).__name__, exc)
 
 
-# (Dynamo's frame id, source) of a module's float -> the value it was specialized to. A float that a recompile of
-# the same frame sees with another value varies (a schedule written into a module attribute): it stays symbolic
-# from then on, one recompile rather than one per value.
+# (Dynamo's frame id, source) of a module's float -> the value it was specialized to, and the floats that a recompile
+# of the same frame saw with another value (a schedule written into a module attribute): those stay symbolic from
+# then on, one recompile rather than one per value.
 _MODULE_FLOATS: dict[tuple[int | None, str], float] = {}
+_VARYING: set[tuple[int | None, str]] = set()
+# symbols this compile told AOTAutograd not to tensorify. TensorifyState is global and outlives the compile, and its
+# names recur (a recompile of the frame, another frame's float): Dynamo would specialize those at their next trace.
+_TOLD: set[str] = set()
+
+
+def _specialize(memo: torch.SymFloat, symbol: str) -> float:
+    """``memo``'s value, guarded (a change recompiles), and AOTAutograd told not to tensorify (or restart for) it."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
+
+    value = float(guard_scalar(memo))
+    TensorifyState.specialize(symbol)
+    _TOLD.add(symbol)
+    return value
+
+
+def _forget_specialized_floats() -> None:
+    """After the inner compile (AOTAutograd's tensorify pass has read them): this compile's names leave
+    TensorifyState, so that no later trace specializes a float of the same name unasked."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    TensorifyState.force_specializations.difference_update(_TOLD)
+    _TOLD.clear()
+
+
+def _float_placeholders(gm: fx.GraphModule):
+    """(placeholder, its SymFloat, the symbol's name) for each float Dynamo made a symbolic graph input."""
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        memo = getattr(ph.meta.get("example_value"), "item_memo", None)
+        symbol = getattr(getattr(memo, "node", None), "_expr", None)
+        if isinstance(memo, torch.SymFloat) and hasattr(symbol, "name"):
+            yield ph, memo, symbol.name
 
 
 def specialize_module_floats(gm: fx.GraphModule) -> list[str]:
@@ -165,59 +200,45 @@ def specialize_module_floats(gm: fx.GraphModule) -> list[str]:
     assumes static shapes (``dynamic=None``): Dynamo makes a float symbolic there only after its value changed.
     """
     from torch._dynamo.symbolic_convert import TensorifyState
-    from torch.fx.experimental.symbolic_shapes import guard_scalar
 
     if torch._dynamo.config.assume_static_by_default:  # dynamic=None: a float is symbolic only once it has changed
         return []
     compile_id = torch._guards.CompileContext.current_compile_id()
     frame, done = getattr(compile_id, "frame_id", None), []
     if getattr(compile_id, "frame_compile_id", None) == 0:  # a frame's first compile (ids restart at dynamo.reset())
-        for key in [k for k in _MODULE_FLOATS if k[0] == frame]:
-            del _MODULE_FLOATS[key]
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        memo = getattr(ph.meta.get("example_value"), "item_memo", None)
-        symbol = getattr(getattr(memo, "node", None), "_expr", None)
+        for known in [k for k in (*_MODULE_FLOATS, *_VARYING) if k[0] == frame]:
+            _MODULE_FLOATS.pop(known, None)
+            _VARYING.discard(known)
+    for ph, memo, symbol in _float_placeholders(gm):
         source = getattr(ph.meta.get("grapharg"), "source", None)
-        if not isinstance(memo, torch.SymFloat) or not hasattr(symbol, "name") or not _is_module_attribute(source):
+        items = _item_uses(gm, ph) if _is_module_attribute(source) else None
+        if items is None or TensorifyState.should_specialize(symbol):
             continue
-        items, name = _item_uses(gm, ph), source.name  # a method before torch 2.12, a property since
+        name = source.name  # a method before torch 2.12, a property since
         key = (frame, name() if callable(name) else name)
-        known = _MODULE_FLOATS.get(key)
-        if items is None or TensorifyState.should_specialize(symbol.name):
-            continue
-        if known is not None and known != float(memo.node.hint):
-            _MODULE_FLOATS[key] = math.nan  # it varies: symbolic from now on, as torch keeps it
-            continue
-        value = float(guard_scalar(memo))
-        _MODULE_FLOATS[key] = value
+        if key in _MODULE_FLOATS and _MODULE_FLOATS[key] != float(memo.node.hint):
+            _VARYING.add(key)
+        if key in _VARYING:
+            continue  # it varies: symbolic, as torch keeps it
+        _MODULE_FLOATS[key] = value = _specialize(memo, symbol)
         for module, item in items:
-            _replace_by_constant(module, item, value)
-        TensorifyState.specialize(symbol.name)
-        done.append(symbol.name)
+            item.replace_all_uses_with(value)  # type: ignore[arg-type]  # FX puts a constant in its place as well
+            module.graph.erase_node(item)
+        for module in {id(m): m for m, _ in items}.values():
+            module.recompile()
+        done.append(symbol)
     if done:
         log.debug("specialized %d module floats to guarded constants: %s", len(done), done)
     return done
 
 
-def _replace_by_constant(gm: fx.GraphModule, node: fx.Node, value: float) -> None:
-    def swap(a: fx.Node) -> Any:
-        return value if a is node else a
-
-    for user in list(node.users):
-        user.args, user.kwargs = fx.node.map_arg(user.args, swap), fx.node.map_arg(user.kwargs, swap)
-    gm.graph.erase_node(node)
-    gm.recompile()
-
-
 def _is_module_attribute(source: Any) -> bool:
-    """``source`` reads an attribute of an ``nn.Module`` (its chain of bases passes through a module's source)."""
+    """``source`` reads an attribute of an ``nn.Module`` (Dynamo's guard source of a module, FSDP's included)."""
     if type(source).__name__ != "AttrSource":
         return False
-    while source is not None:
-        if type(source).__name__.endswith("NNModuleSource"):
-            return True
-        source = getattr(source, "base", None)
-    return False
+    where = source.guard_source
+    where = where() if callable(where) else where  # a method before torch 2.12, a property since
+    return where.is_unspecialized_nn_module() or where.is_specialized_nn_module() or where.is_fsdp_module()
 
 
 def _item_uses(gm: fx.GraphModule, value: fx.Node) -> list[tuple[fx.GraphModule, fx.Node]] | None:
@@ -268,19 +289,13 @@ def specialize_untensorifiable_floats(gm: fx.GraphModule) -> list[str]:
     ``TensorifyState.specialize``, so that AOTAutograd does not restart for it. The graph is left as it is.
     """
     from torch._dynamo.symbolic_convert import TensorifyState
-    from torch.fx.experimental.symbolic_shapes import guard_scalar
 
     done = []
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        memo = getattr(ph.meta.get("example_value"), "item_memo", None)
-        symbol = getattr(getattr(memo, "node", None), "_expr", None)
-        if not isinstance(memo, torch.SymFloat) or not hasattr(symbol, "name") or not ph.users:
+    for ph, memo, symbol in _float_placeholders(gm):
+        if not ph.users or TensorifyState.should_specialize(symbol) or not _only_double_uses(gm, ph):
             continue
-        if TensorifyState.should_specialize(symbol.name) or not _only_double_uses(gm, ph):
-            continue
-        guard_scalar(memo)
-        TensorifyState.specialize(symbol.name)
-        done.append(symbol.name)
+        _specialize(memo, symbol)
+        done.append(symbol)
     if done:
         log.debug("specialized floats %s (no tensor math uses them) before AOTAutograd, not by a restart", done)
     return done
