@@ -136,12 +136,15 @@ def test_random_shapes_float64():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("grad_accum", ["fp32", "param"])
 def test_backward_tiles_over_parts_of_intermediate(dtype, grad_accum, monkeypatch):
-    """Several [parts * chunk, I / parts] tiles (I = 43 in 4 uneven parts), with every grad needed."""
+    """Several [parts * chunk, I / parts] tiles (I = 43 in 3 uneven parts on a grid of 8 columns), with every grad
+    needed."""
     from tilecompile.ops import tiled_mlp
 
     monkeypatch.setattr(tiled_mlp, "_MIN_I_PART", 8)
+    monkeypatch.setattr(tiled_mlp, "_PART_ALIGN", 8)
     n, d, i = 300, 24, 43
     assert tiled_mlp._intermediate_parts(n, i, 64) == 4
+    assert tiled_mlp._part_bounds(i, 4) == [(0, 16), (16, 32), (32, 43)]
     x64 = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
     p64 = make_params(d, i, bias=True, dtype=torch.float64)
     _, g64, _, _ = run_both(x64, p64, "silu", chunk_tokens=64, grad_accum=grad_accum)  # tiled, float64
@@ -159,6 +162,19 @@ def test_backward_tiles_over_parts_of_intermediate(dtype, grad_accum, monkeypatc
     slack = 1e-3 if grad_accum == "fp32" else 2e-2
     for g, r, e in zip(grads, g64_eager, grads_ref):
         assert rel_err(g, r) <= 1.5 * rel_err(e, r) + slack
+
+
+@pytest.mark.parametrize("i, parts", [(8960, 3), (8960, 4), (14336, 3), (18944, 3), (11008, 4), (2048, 2), (1100, 1)])
+def test_backward_parts_start_aligned(i, parts):
+    """The parts of I start at multiples of 64 columns (cuBLAS's aligned paths: Qwen2.5-1.5B's I = 8960 in 3 parts
+    was 2987 columns each), tile I exactly, and are never more than asked for."""
+    from tilecompile.ops import tiled_mlp
+
+    bounds = tiled_mlp._part_bounds(i, parts)
+    assert 1 <= len(bounds) <= parts
+    assert bounds[0][0] == 0 and bounds[-1][1] == i
+    assert all(hi == lo2 for (_, hi), (lo2, _) in zip(bounds, bounds[1:]))
+    assert all(lo % 64 == 0 and hi > lo for lo, hi in bounds)
 
 
 def test_bsd_layout_and_other_out_dim():

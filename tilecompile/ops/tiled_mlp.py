@@ -270,11 +270,22 @@ def _(
 
 _MAX_I_PARTS = 4  # the backward splits I into at most this many parts ...
 _MIN_I_PART = 1024  # ... each at least this wide, so the GEMMs stay large
+_PART_ALIGN = 64  # ... and each starting at a multiple of this many columns (see _part_bounds)
 
 
 def _intermediate_parts(tokens: int, intermediate: int, chunk: int) -> int:
     """How many parts of I the backward tiles over (1 when one chunk holds all tokens)."""
     return max(1, min(_MAX_I_PARTS, -(-tokens // chunk), intermediate // _MIN_I_PART))
+
+
+def _part_bounds(intermediate: int, parts: int) -> list[tuple[int, int]]:
+    """The backward's [lo, hi) column ranges of I: at most ``parts``, each a multiple of ``_PART_ALIGN`` wide but the
+    last. I / parts itself (2987 for Qwen2.5-1.5B's I = 8960 in the 3 parts of 8k tokens) puts the weight slices and
+    tiles off cuBLAS's 16-byte alignment: the H200 then ran the tile GEMMs about 4x slower (the MLP backward took
+    13.3 ms a layer at 8k tokens against 7.4 ms at 16k, ``benchmarks/probe_host.py``)."""
+    width = -(-intermediate // parts)
+    width = -(-width // _PART_ALIGN) * _PART_ALIGN
+    return [(lo, min(lo + width, intermediate)) for lo in range(0, intermediate, width)]
 
 
 def _tile(buf: Tensor | None, rows: int, cols: int) -> Tensor | None:
@@ -368,8 +379,8 @@ def _tiled_gated_mlp_backward_op(
         chunk = min(_chunk_for(x2, i, chunk_tokens, budget_mb), n)
         parts = _intermediate_parts(n, i, chunk)
         chunk = min(chunk * parts, n)
-        width = -(-i // parts)
-        bounds = [(lo, min(lo + width, i)) for lo in range(0, i, width)]
+        bounds = _part_bounds(i, parts)
+        width = bounds[0][1] - bounds[0][0]
         recompute = need_wd or need_dh
         fused = _use_triton(x2)
         need_u = need_wd or need_dg  # the up projection itself
