@@ -3,10 +3,11 @@
 One row of panels per model (and per static/dynamic compile, and per batch layout, when the CSV has several), log
 axes; a batch layout measured at one length only is left to the table (a panel of one dot says nothing); colour
 is the method, a solid line has activation checkpointing on, a dashed one off. A line ends at the method's longest
-sequence; the legend gives that length and what stopped it (OOM or an error). The title carries the GPUs, versions and
-dates from the CSV. The CSV is read as e2e.py appends it: where a (model, method, checkpointing, dynamic, rows, mask,
-packed, seq_len) was measured more than once (with the same tiny, layers and env: a cut model or a flag's run is
-another measurement), the latest date's row counts; older rows' missing columns read as their defaults.
+sequence; the legend gives that length and what stopped it (OOM or an error), or that nothing did. The title
+carries the GPUs, versions and dates from the CSV. The CSV is read as e2e.py appends it: where a (model, method,
+checkpointing, dynamic, rows, mask, packed, seq_len) was measured more than once (with the same tiny, layers and
+env: a cut model or a flag's run is another measurement), the latest date's row counts; older rows' missing columns
+read as their defaults.
 
 ``--table`` prints the README's Markdown instead: a line per (model, method, checkpointing, compile, batch, length)
 with tokens/s, peak GiB, TFLOP/s, MFU %, first step s, compiles and note (the env flags first); padded batches
@@ -23,6 +24,9 @@ import pathlib
 
 SHAPES = {"1.5b": "Qwen2.5-1.5B shape", "8b": "Llama-3-8B shape"}
 COLORS = {"eager": "tab:gray", "inductor": "tab:blue", "liger": "tab:orange", "tilecompile": "tab:green"}
+# eager's hollow square is drawn larger: Liger's memory is eager's, and its line would hide eager's otherwise
+MARKERS = {"eager": dict(marker="s", markersize=9, fillstyle="none"), "inductor": dict(marker="^"),
+           "liger": dict(marker="D", markersize=5), "tilecompile": dict(marker="o")}  # fmt: skip
 KEY = ("model", "tiny", "layers", "env", "method", "checkpointing", "dynamic", "rows", "mask", "packed", "seq_len")
 DEFAULTS = {"rows": "1", "packed": "0", "dynamic": "0"}  # what older CSVs without these columns measured
 COLUMNS = ("model", "method", "ckpt", "compile", "batch", "length", "tokens/s", "peak GiB", "TFLOP/s", "MFU %",
@@ -75,12 +79,16 @@ def _env(rows: list[dict]) -> str:
             f"{', '.join(sorted({r.get('date', '')[:10] for r in rows} - {''})) or 'undated'}")  # fmt: skip
 
 
+def _rank(x: str, known) -> tuple:
+    """Where ``x`` stands among ``known`` (unknown ones after, by name)."""
+    return (list(known).index(x) if x in known else len(known), x)
+
+
 def _order(r: dict) -> tuple:
     """Model, batch (one row first), compile, method, checkpointing on first, length."""
-    rank = lambda x, known: (list(known).index(x) if x in known else len(known), x)  # noqa: E731
     batch = (_padded(r), _layout(r) != "one row", _layout(r))
-    model = (rank(r["model"], SHAPES), r.get("tiny", ""), _int(r.get("layers")))
-    return (*model, *batch, r["dynamic"], rank(r["method"], COLORS), r["checkpointing"] != "1", _int(r["seq_len"]))
+    model = (_rank(r["model"], SHAPES), r.get("tiny", ""), _int(r.get("layers")))
+    return (*model, *batch, r["dynamic"], _rank(r["method"], COLORS), r["checkpointing"] != "1", _int(r["seq_len"]))
 
 
 def _int(x: str | None) -> int:
@@ -139,17 +147,17 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
         compile_kind = "one dynamic compile" if dynamic == "1" else "static compile per length"
         shape = SHAPES.get(model, model) if first.get("tiny") != "1" else f"tiny stand-in for {model}"
         title = f"{shape} ({depth}), {compile_kind}" + ("" if layout == "one row" else f", {layout}")
-        order = list(COLORS)
-        lines = sorted({(r["method"], r["checkpointing"]) for r in mine}, key=lambda k: (order.index(k[0]), k[1]))
+        lines = sorted({(r["method"], r["checkpointing"]) for r in mine}, key=lambda k: (_rank(k[0], COLORS), k[1]))
         for method, ckpt in lines:
             runs = sorted((r for r in mine if (r["method"], r["checkpointing"]) == (method, ckpt)),
                           key=lambda r: int(r["seq_len"] or 0))  # fmt: skip
             ok = [r for r in runs if r["ok"] == "1"]
             stop = next((r["error"] for r in runs if r["ok"] != "1"), "")
             longest = _tokens(max(int(r["seq_len"]) for r in ok)) if ok else "none"
-            then = f", then {stop[:20]}" if stop else ""
-            label = f"{method}, ckpt {'on' if ckpt == '1' else 'off'} (longest {longest}{then})"
-            style = dict(color=COLORS.get(method), linestyle="-" if ckpt == "1" else "--", marker="o", label=label)
+            reach = f"longest {longest}, then {stop[:20]}" if stop else f"measured up to {longest}"  # no limit seen
+            label = f"{method}, ckpt {'on' if ckpt == '1' else 'off'} ({reach})"
+            style = dict(color=COLORS.get(method), linestyle="-" if ckpt == "1" else "--", label=label,
+                         **MARKERS.get(method, dict(marker="o")))  # fmt: skip
             xs = [int(r["seq_len"]) for r in ok]
             mem = [_float(r["peak_gib"]) for r in ok]
             if any(m is not None for m in mem):
