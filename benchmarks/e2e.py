@@ -44,29 +44,35 @@ cells empty), so a sweep is split over runs of 10 minutes and a run cut short ke
 runs write a temp file, anew each run, unless ``--csv`` says otherwise. Each row carries the GPU name,
 torch/triton/transformers versions, the date and ``--note``. ``--search K``: after a method's first OOM, up to K
 more lengths bisecting the longest that ran and the shortest that ran out of memory (multiples of 4096), each a row;
-an OOM there narrows the search. ``--probe``: the first step and one timed step per length (the note says "single-step
-probe"), for lengths whose repeats would not fit a run. ``benchmarks/plot_e2e.py`` turns the CSV into a PNG and,
-with ``--table``, the README's Markdown tables.
+an OOM there narrows the search. ``--budget S``: the whole run gets S seconds of wall time (a GPU call's limit);
+the worker still running then is stopped with its children, its length gets a row "cut by --budget after N s",
+and the methods after it are skipped (printed, no row). ``--probe``: the first step and one timed step per length
+(the note says "single-step probe"), for lengths whose repeats would not fit a run. ``benchmarks/plot_e2e.py`` turns
+the CSV into a PNG and, with ``--table``, the README's Markdown tables.
 
 usage: python benchmarks/e2e.py [--models 1.5b,8b] [--methods eager,inductor,liger,tilecompile]
            [--checkpointing on,off] [--lengths 4096,...,524288] [--dynamic] [--packed K] [--csv PATH] [--overwrite]
            [--padded 8x4096] [--mask ones] [--env TILECOMPILE_ATTENTION=0] [--search K] [--probe] [--note TEXT]
+           [--budget SECONDS]
        python benchmarks/e2e.py --tiny --device cpu --methods eager,tilecompile --inner aot_eager   (smoke test)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import importlib.metadata
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -389,6 +395,9 @@ def main() -> None:
     ap.add_argument("--search", type=int, default=0, help="after the first OOM, up to K bisected lengths")
     ap.add_argument("--probe", action="store_true", help="one timed step per length (repeats 1), noted in the row")
     ap.add_argument("--note", default="", help="free text for the rows' note column")
+    ap.add_argument("--budget", type=float, default=0, help="wall seconds for this whole run (0: none): the worker "
+                    "running when they are spent is stopped, its length gets a 'cut by --budget' row; the rest is "
+                    "skipped")  # fmt: skip
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -413,7 +422,7 @@ def main() -> None:
         out.unlink()
     note = "; ".join(x for x in ("single-step probe" if args.probe else "", args.note) if x)
     print(json.dumps(versions(torch.device(args.device))), flush=True)
-    rows = []
+    rows, deadline = [], time.monotonic() + args.budget if args.budget > 0 else None
     for name in args.models.split(","):
         full = MODELS[name][3] if not args.tiny else TINY[2]
         cut = f"cut to {args.layers} of {full} layers" if args.layers and args.layers < full else f"all {full} layers"
@@ -425,17 +434,36 @@ def main() -> None:
                            repeats=1 if args.probe else args.repeats, inner=args.inner, warm_cache=args.warm_cache,
                            device=args.device, rows=rows_per_batch, mask=mask, env=args.env, search=args.search,
                            peak_tflops=args.peak_tflops, note=note)  # fmt: skip
-                rows += run_worker(cfg, out)
+                if deadline is not None and time.monotonic() >= deadline:
+                    print(
+                        f"{method:<12} ckpt={int(ckpt == 'on')} skipped: --budget {args.budget:g} s spent", flush=True
+                    )
+                    continue
+                rows += run_worker(cfg, out, deadline)
     summary(rows)
     print(f"wrote {out}")
 
 
-def run_worker(cfg: dict, out: pathlib.Path) -> list[dict]:
-    """Runs one worker; each of its rows is printed and appended to ``out`` as it comes."""
+def run_worker(cfg: dict, out: pathlib.Path, deadline: float | None = None) -> list[dict]:
+    """Runs one worker; each of its rows is printed and appended to ``out`` as it comes. At ``deadline``
+    (``time.monotonic()``) the worker and its children (Inductor's compile workers) are stopped, and the length it
+    was on gets a row saying so."""
     cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
     extra = dict(kv.split("=", 1) for kv in cfg.get("env", "").split(",") if kv)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra if cfg["method"] == "tilecompile" else {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    cut = threading.Event()
+
+    def stop() -> None:
+        cut.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(max(0.0, deadline - started), stop) if deadline is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
     given = ("model", "method", "packed", "rows", "mask", "repeats", "note")  # until the worker says more
     rows, trying = [], dict({k: cfg[k] for k in given}, checkpointing=int(cfg["checkpointing"]),
                             dynamic=int(cfg["dynamic"]), seq_len=cfg["lengths"][0], date=_now())  # fmt: skip
@@ -455,8 +483,16 @@ def run_worker(cfg: dict, out: pathlib.Path) -> list[dict]:
             add(json.loads(line[len(ROW) :]))
         else:
             print(line, end="")
-    if proc.wait() != 0 and trying["seq_len"] not in {r["seq_len"] for r in rows}:  # died without a word
-        add(dict(trying, ok=0, error=f"worker exited with {proc.returncode}"))
+    code = proc.wait()
+    if timer is not None:
+        timer.cancel()
+    if code != 0 and trying["seq_len"] not in {r["seq_len"] for r in rows}:  # died without a word
+        why = (
+            f"cut by --budget after {time.monotonic() - started:.0f} s"
+            if cut.is_set()
+            else f"worker exited with {code}"
+        )
+        add(dict(trying, ok=0, error=why))
     return rows
 
 

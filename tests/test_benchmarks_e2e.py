@@ -169,3 +169,19 @@ def test_table():
     ]  # fmt: skip
     padded_cells = ["1.5b", "tilecompile", "on", "dynamic", "8 rows, TRL-padded", "4k", "38,903", "11.79", "", ""]
     assert cells(padded_rows) == [[*padded_cells, "81.21", "2", ""]]
+
+
+def test_budget_stops_the_worker_and_says_so(tmp_path):
+    """A worker still running when ``--budget`` is spent is stopped (its process group: Inductor's compile workers
+    too), and the length it was on gets a row that says why; a worker inside its budget runs as before."""
+    cfg = dict(model="1.5b", method="eager", checkpointing=False, lengths=[64], tiny=True, layers=0, dynamic=False,
+               packed=0, repeats=1, inner="aot_eager", warm_cache=False, device="cpu", rows=1, mask="", env="",
+               search=0, peak_tflops=e2e.PEAK_TFLOPS, note="")  # fmt: skip
+    out = tmp_path / "rows.csv"
+    cut = e2e.run_worker(cfg, out, deadline=e2e.time.monotonic() + 0.2)  # the worker is still importing torch
+    assert [(r["seq_len"], r["ok"]) for r in cut] == [(64, 0)]
+    assert cut[0]["error"].startswith("cut by --budget after ")
+    ran = e2e.run_worker(cfg, out, deadline=e2e.time.monotonic() + 600)
+    assert [(r["seq_len"], r["ok"]) for r in ran] == [(64, 1)]
+    _, rows = _read(out)
+    assert [(r["ok"], r["error"][:13]) for r in rows] == [("0", "cut by --budg"), ("1", "")]
