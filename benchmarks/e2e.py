@@ -44,11 +44,12 @@ cells empty), so a sweep is split over runs of 10 minutes and a run cut short ke
 runs write a temp file, anew each run, unless ``--csv`` says otherwise. Each row carries the GPU name,
 torch/triton/transformers versions, the date and ``--note``. ``--search K``: after a method's first OOM, up to K
 more lengths bisecting the longest that ran and the shortest that ran out of memory (multiples of 4096), each a row;
-an OOM there narrows the search. ``--budget S``: the whole run gets S seconds of wall time (a GPU call's limit);
-the worker still running then is stopped with its children, its length gets a row "cut by --budget after N s",
-and the methods after it are skipped (printed, no row). ``--probe``: the first step and one timed step per length
-(the note says "single-step probe"), for lengths whose repeats would not fit a run. ``benchmarks/plot_e2e.py`` turns
-the CSV into a PNG and, with ``--table``, the README's Markdown tables.
+an OOM there narrows the search. ``--budget S``: the run gets S seconds of wall time, counted from the end of its
+own start (its imports: leave a margin under a GPU call's limit); the worker still running then is stopped with its
+children, its length gets a row "cut by --budget", and the methods after it are skipped (printed, no row).
+``--probe``: the first step and one timed step per length (the note says "single-step probe"), for lengths whose
+repeats would not fit a run. ``benchmarks/plot_e2e.py`` turns the CSV into a PNG and, with ``--table``, the
+README's Markdown tables.
 
 usage: python benchmarks/e2e.py [--models 1.5b,8b] [--methods eager,inductor,liger,tilecompile]
            [--checkpointing on,off] [--lengths 4096,...,524288] [--dynamic] [--packed K] [--csv PATH] [--overwrite]
@@ -423,6 +424,8 @@ def main() -> None:
     note = "; ".join(x for x in ("single-step probe" if args.probe else "", args.note) if x)
     print(json.dumps(versions(torch.device(args.device))), flush=True)
     rows, deadline = [], time.monotonic() + args.budget if args.budget > 0 else None
+    if deadline is not None:  # workers run in groups of their own then: a SIGTERM here ends them through an exit
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for name in args.models.split(","):
         full = MODELS[name][3] if not args.tiny else TINY[2]
         cut = f"cut to {args.layers} of {full} layers" if args.layers and args.layers < full else f"all {full} layers"
@@ -445,14 +448,15 @@ def main() -> None:
 
 
 def run_worker(cfg: dict, out: pathlib.Path, deadline: float | None = None) -> list[dict]:
-    """Runs one worker; each of its rows is printed and appended to ``out`` as it comes. At ``deadline``
-    (``time.monotonic()``) the worker and its children (Inductor's compile workers) are stopped, and the length it
-    was on gets a row saying so."""
+    """Runs one worker; each of its rows is printed and appended to ``out`` as it comes. With a ``deadline``
+    (``time.monotonic()``) the worker runs in a process group of its own, stopped whole at the deadline (Inductor's
+    compile workers too) or when this process ends first (an exception, Ctrl-C, SIGTERM: ``main`` makes that an
+    exit), and the length it was on gets a row saying so. Without one it stays in this process's group, so an outer
+    ``timeout`` or Ctrl-C reaches it."""
     cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
     extra = dict(kv.split("=", 1) for kv in cfg.get("env", "").split(",") if kv)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra if cfg["method"] == "tilecompile" else {}))
-    started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=deadline is not None)
     cut = threading.Event()
 
     def stop() -> None:
@@ -460,13 +464,17 @@ def run_worker(cfg: dict, out: pathlib.Path, deadline: float | None = None) -> l
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
-    timer = threading.Timer(max(0.0, deadline - started), stop) if deadline is not None else None
-    if timer is not None:
+    timer = None
+    if deadline is not None:
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), stop)
         timer.daemon = True
         timer.start()
     given = ("model", "method", "packed", "rows", "mask", "repeats", "note")  # until the worker says more
-    rows, trying = [], dict({k: cfg[k] for k in given}, checkpointing=int(cfg["checkpointing"]),
-                            dynamic=int(cfg["dynamic"]), seq_len=cfg["lengths"][0], date=_now())  # fmt: skip
+    layers = cfg["layers"] or (TINY[2] if cfg["tiny"] else MODELS[cfg["model"]][3])  # as build() cuts the model
+    env_row = cfg.get("env", "") if cfg["method"] == "tilecompile" else ""
+    rows, trying = [], dict({k: cfg[k] for k in given}, checkpointing=int(cfg["checkpointing"]), layers=layers,
+                            dynamic=int(cfg["dynamic"]), seq_len=cfg["lengths"][0], date=_now(), tiny=int(cfg["tiny"]),
+                            env=env_row)  # fmt: skip
 
     def add(row: dict) -> None:
         rows.append(row)
@@ -476,23 +484,23 @@ def run_worker(cfg: dict, out: pathlib.Path, deadline: float | None = None) -> l
         shown = " ".join(f"{k}={row[k]}" for k in keys if row.get(k) not in (None, ""))
         print(f"{row['method']:<12} ckpt={row['checkpointing']} {shown}", flush=True)
 
-    for line in proc.stdout:
-        if line.startswith(TRY):
-            trying = json.loads(line[len(TRY) :])
-        elif line.startswith(ROW):
-            add(json.loads(line[len(ROW) :]))
-        else:
-            print(line, end="")
-    code = proc.wait()
-    if timer is not None:
-        timer.cancel()
+    try:
+        for line in proc.stdout:
+            if line.startswith(TRY):
+                trying = json.loads(line[len(TRY) :])
+            elif line.startswith(ROW):
+                add(json.loads(line[len(ROW) :]))
+            else:
+                print(line, end="")
+        code = proc.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+            if proc.poll() is None:  # this process is ending first: its worker's group goes with it
+                stop()
+                proc.wait()
     if code != 0 and trying["seq_len"] not in {r["seq_len"] for r in rows}:  # died without a word
-        why = (
-            f"cut by --budget after {time.monotonic() - started:.0f} s"
-            if cut.is_set()
-            else f"worker exited with {code}"
-        )
-        add(dict(trying, ok=0, error=why))
+        add(dict(trying, ok=0, error="cut by --budget" if cut.is_set() else f"worker exited with {code}"))
     return rows
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import pathlib
+import subprocess
 import sys
 import types
 
@@ -172,16 +173,30 @@ def test_table():
 
 
 def test_budget_stops_the_worker_and_says_so(tmp_path):
-    """A worker still running when ``--budget`` is spent is stopped (its process group: Inductor's compile workers
-    too), and the length it was on gets a row that says why; a worker inside its budget runs as before."""
+    """A worker still running when ``--budget`` is spent is stopped (its process group), and the length it was on
+    gets a row that says why, keyed as the worker's own rows are; a worker inside its budget runs as before."""
     cfg = dict(model="1.5b", method="eager", checkpointing=False, lengths=[64], tiny=True, layers=0, dynamic=False,
                packed=0, repeats=1, inner="aot_eager", warm_cache=False, device="cpu", rows=1, mask="", env="",
                search=0, peak_tflops=e2e.PEAK_TFLOPS, note="")  # fmt: skip
     out = tmp_path / "rows.csv"
     cut = e2e.run_worker(cfg, out, deadline=e2e.time.monotonic() + 0.2)  # the worker is still importing torch
-    assert [(r["seq_len"], r["ok"]) for r in cut] == [(64, 0)]
-    assert cut[0]["error"].startswith("cut by --budget after ")
+    assert [(r["seq_len"], r["ok"], r["error"]) for r in cut] == [(64, 0, "cut by --budget")]
     ran = e2e.run_worker(cfg, out, deadline=e2e.time.monotonic() + 600)
     assert [(r["seq_len"], r["ok"]) for r in ran] == [(64, 1)]
+    key = ("model", "tiny", "layers", "env", "method", "checkpointing", "dynamic", "rows", "packed")
+    assert {k: str(cut[0][k]) for k in key} == {k: str(ran[0][k]) for k in key}  # one line in plot_e2e
     _, rows = _read(out)
-    assert [(r["ok"], r["error"][:13]) for r in rows] == [("0", "cut by --budg"), ("1", "")]
+    assert [(r["ok"], r["error"]) for r in rows] == [("0", "cut by --budget"), ("1", "")]
+
+
+def test_budget_skips_the_methods_after_the_cut(tmp_path):
+    """``e2e.py --budget``: the method running when the budget is spent gets its row, the methods after it none."""
+    out = tmp_path / "rows.csv"
+    cmd = [sys.executable, e2e.__file__, "--tiny", "--device", "cpu", "--models", "1.5b", "--methods",
+           "eager,tilecompile", "--checkpointing", "on", "--inner", "aot_eager", "--budget", "0.5",
+           "--csv", str(out)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "tilecompile  ckpt=1 skipped: --budget 0.5 s spent" in run.stdout
+    _, rows = _read(out)
+    assert [(r["method"], r["ok"], r["error"]) for r in rows] == [("eager", "0", "cut by --budget")]

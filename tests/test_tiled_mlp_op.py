@@ -164,17 +164,22 @@ def test_backward_tiles_over_parts_of_intermediate(dtype, grad_accum, monkeypatc
         assert rel_err(g, r) <= 1.5 * rel_err(e, r) + slack
 
 
-@pytest.mark.parametrize("i, parts", [(8960, 3), (8960, 4), (14336, 3), (18944, 3), (11008, 4), (2048, 2), (1100, 1)])
-def test_backward_parts_start_aligned(i, parts):
+@pytest.mark.parametrize(
+    "i, parts, count",
+    [(8960, 3, 3), (8960, 4, 4), (14336, 3, 3), (18944, 3, 3), (11008, 4, 4), (2048, 2, 2), (8970, 3, 3), (1100, 1, 1),
+     (50, 2, 1), (130, 2, 2)],
+)  # fmt: skip
+def test_backward_parts_start_aligned(i, parts, count):
     """The parts of I start at multiples of 64 columns (cuBLAS's aligned paths: Qwen2.5-1.5B's I = 8960 in 3 parts
-    was 2987 columns each), tile I exactly, and are never more than asked for."""
+    was 2987 columns each), tile I exactly, none wider than the first (the tile buffers are sized by it), and as
+    many as asked for on real widths (fewer only where rounding up to 64 columns leaves nothing for the last)."""
     from tilecompile.ops import tiled_mlp
 
     bounds = tiled_mlp._part_bounds(i, parts)
-    assert 1 <= len(bounds) <= parts
+    assert len(bounds) == count
     assert bounds[0][0] == 0 and bounds[-1][1] == i
     assert all(hi == lo2 for (_, hi), (lo2, _) in zip(bounds, bounds[1:]))
-    assert all(lo % 64 == 0 and hi > lo for lo, hi in bounds)
+    assert all(lo % 64 == 0 and 0 < hi - lo <= bounds[0][1] for lo, hi in bounds)
 
 
 def test_bsd_layout_and_other_out_dim():
