@@ -449,10 +449,10 @@ def main() -> None:
 
 def run_worker(cfg: dict, out: pathlib.Path, deadline: float | None = None) -> list[dict]:
     """Runs one worker; each of its rows is printed and appended to ``out`` as it comes. With a ``deadline``
-    (``time.monotonic()``) the worker runs in a process group of its own, stopped whole at the deadline (Inductor's
-    compile workers too) or when this process ends first (an exception, Ctrl-C, SIGTERM: ``main`` makes that an
-    exit), and the length it was on gets a row saying so. Without one it stays in this process's group, so an outer
-    ``timeout`` or Ctrl-C reaches it."""
+    (``time.monotonic()``) the worker runs in a process group of its own, stopped whole (Inductor's compile workers
+    too) at the deadline, when the length it was on gets a row saying so, or when this process ends first (an
+    exception, Ctrl-C, SIGTERM: ``main`` makes that an exit; no row then). Without a deadline it stays in this
+    process's group, so an outer ``timeout`` or Ctrl-C reaches it."""
     cmd = [sys.executable, __file__, "--worker", json.dumps(cfg)]
     extra = dict(kv.split("=", 1) for kv in cfg.get("env", "").split(",") if kv)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra if cfg["method"] == "tilecompile" else {}))
