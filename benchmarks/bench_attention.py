@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
 
@@ -99,21 +98,14 @@ def _time(fn, reps: int = 10) -> float:
 
 def _time_queued(fn, calls: int = 20, reps: int = 3) -> float:
     """Milliseconds a call when ``calls`` calls are queued back to back between two CUDA events (the median of
-    ``reps`` such runs, after 2 warm-up calls): the host runs ahead as it does inside a whole step, so a call's host
-    work shows only where it outlasts the call's GPU work. ``_time`` starts each call on an idle GPU instead."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
+    ``reps`` such runs, after warm-up): the host runs ahead as it does inside a whole step, so a call's host work
+    shows only where it outlasts the call's GPU work. ``_time`` starts each call on an idle GPU instead."""
+
+    def queued() -> None:
         for _ in range(calls):
             fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e) / calls)
-    return statistics.median(out)
+
+    return _time(queued, reps) / calls
 
 
 def ops(device, n: int, docs: int) -> list[dict]:
