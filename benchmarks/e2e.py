@@ -150,6 +150,25 @@ def versions(device: torch.device) -> dict:
     )  # fmt: skip
 
 
+def full_layers(name: str, tiny: bool) -> int:
+    """The layers of model ``name`` (of its tiny stand-in with ``tiny``) before ``--layers`` cuts it."""
+    return TINY[2] if tiny else MODELS[name][3]
+
+
+def timed_step(model: torch.nn.Module, step, batch: tuple, cuda: bool) -> tuple[float, float, torch.Tensor]:
+    """One step (``step(*batch).backward()``) with the grads dropped first: (host seconds until ``backward()``
+    returns, wall seconds to the synchronize, the loss)."""
+    for p in model.parameters():
+        p.grad = None
+    start = time.perf_counter()
+    loss = step(*batch)
+    loss.backward()
+    host = time.perf_counter() - start
+    if cuda:
+        torch.cuda.synchronize()
+    return host, time.perf_counter() - start, loss
+
+
 def build(name: str, tiny: bool, layers: int, checkpointing: bool, liger: bool, device: torch.device):
     import transformers
 
@@ -318,14 +337,8 @@ def worker(cfg: dict) -> None:
         return step
 
     def run(step, batch) -> tuple[float, float]:
-        for p in model.parameters():
-            p.grad = None
-        start = time.perf_counter()
-        loss = step(*batch)
-        loss.backward()
-        if cuda:
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start, loss.item()
+        _, seconds, loss = timed_step(model, step, batch, cuda)
+        return seconds, loss.item()
 
     step, total, errors = compiled(), 0, {}
     while (n := next_length(cfg["lengths"], errors, cfg.get("search", 0))) is not None:
@@ -427,7 +440,7 @@ def main() -> None:
     if deadline is not None:  # workers run in groups of their own then: a SIGTERM here ends them through an exit
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for name in args.models.split(","):
-        full = MODELS[name][3] if not args.tiny else TINY[2]
+        full = full_layers(name, args.tiny)
         cut = f"cut to {args.layers} of {full} layers" if args.layers and args.layers < full else f"all {full} layers"
         print(f"== {name} ({MODELS[name][0]}{', tiny' if args.tiny else ''}): {cut}", flush=True)
         for method in methods:
@@ -470,7 +483,7 @@ def run_worker(cfg: dict, out: pathlib.Path, deadline: float | None = None) -> l
         timer.daemon = True
         timer.start()
     given = ("model", "method", "packed", "rows", "mask", "repeats", "note")  # until the worker says more
-    layers = cfg["layers"] or (TINY[2] if cfg["tiny"] else MODELS[cfg["model"]][3])  # as build() cuts the model
+    layers = cfg["layers"] or full_layers(cfg["model"], cfg["tiny"])  # as build() cuts the model
     env_row = cfg.get("env", "") if cfg["method"] == "tilecompile" else ""
     rows, trying = [], dict({k: cfg[k] for k in given}, checkpointing=int(cfg["checkpointing"]), layers=layers,
                             dynamic=int(cfg["dynamic"]), seq_len=cfg["lengths"][0], date=_now(), tiny=int(cfg["tiny"]),

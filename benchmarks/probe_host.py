@@ -15,27 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
-from e2e import build, grpo_step, inputs  # this script's folder is on sys.path
+from e2e import build, grpo_step, inputs, timed_step  # this script's folder is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
 import tilecompile  # noqa: F401  (registers the backend)
 
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
-
-
-def _once(model, step, batch, cuda: bool) -> tuple[float, float]:
-    """One step: (host seconds until backward() returns, wall seconds to the synchronize)."""
-    for p in model.parameters():
-        p.grad = None
-    start = time.perf_counter()
-    step(*batch).backward()
-    host = time.perf_counter() - start
-    if cuda:
-        torch.cuda.synchronize()
-    return host, time.perf_counter() - start
 
 
 def main() -> None:
@@ -61,10 +48,10 @@ def main() -> None:
                 step = torch.compile(lambda *a: grpo_step(model, *a), backend=backend, dynamic=dynamic)
             batch = inputs(n, model.config.vocab_size, 0, dev)
             for _ in range(3):  # the compile, then warm-up
-                _once(model, step, batch, cuda)
-            hosts, walls = zip(*(_once(model, step, batch, cuda) for _ in range(args.repeats)))
+                timed_step(model, step, batch, cuda)
+            hosts, walls, _ = zip(*(timed_step(model, step, batch, cuda) for _ in range(args.repeats)))
             with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-                _once(model, step, batch, cuda)
+                timed_step(model, step, batch, cuda)
             events = prof.key_averages()
             gpu = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
             row = dict(variant=variant, layers=args.layers, n=n, step_s=round(statistics.median(walls), 4),
