@@ -16,7 +16,7 @@ import torch.fx as fx
 from helpers import assert_close, compile_options
 
 import tilecompile
-from tilecompile import config, pipeline
+from tilecompile import config, pipeline, reporting
 from tilecompile import reporting as R
 
 
@@ -75,7 +75,7 @@ def test_options_reach_the_passes_through_torch_compile(monkeypatch):
     monkeypatch.setattr(pipeline, "load_pass", lambda name: seen.append(name) or _NoopPass)
     f = torch.compile(Tiny(), backend="tilecompile", options=compile_options(fused_linear_ce=False))
     f(torch.randn(2, 8))
-    assert seen == ["canonical", "tensor_parallel", "attention", "tiled_mlp"]
+    assert seen == ["canonical", "tensor_parallel", "attention", "tiled_mlp", "layer_regions"]
 
 
 class _NoopPass:
@@ -186,14 +186,14 @@ def test_report_contents_and_reset(monkeypatch):
     f = torch.compile(Tiny(), backend="tilecompile", options=compile_options())
     f(torch.randn(3, 8))
     rep = tilecompile.report()
-    assert rep.counts == {"tensor_parallel": 0, "attention": 0, "fused_linear_ce": 1, "tiled_mlp": 0}
+    assert rep.counts == {**dict.fromkeys(reporting.PASS_NAMES, 0), "fused_linear_ce": 1}
     assert rep.rewrites[0].module_path == "lm_head" and rep.rewrites[0].shapes == {"h": (4, 8)}
     assert rep.skipped[0].reason == "logits are returned from the graph"
     text = str(rep)
     assert "fused_linear_ce=1" in text and "lm_head" in text and "logits are returned from the graph" in text
     tilecompile.reset()
     rep2 = tilecompile.report()
-    assert rep2.counts == {"tensor_parallel": 0, "attention": 0, "fused_linear_ce": 0, "tiled_mlp": 0}
+    assert rep2.counts == dict.fromkeys(reporting.PASS_NAMES, 0)
     assert rep2.rewrites == [] and rep2.skipped == [] and rep2.graphs == 0
     assert rep.counts["fused_linear_ce"] == 1  # an earlier snapshot is not changed by reset()
 

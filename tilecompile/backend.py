@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import pathlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch.fx as fx
 
 from tilecompile import config, distributed, dynamo_compat, graph_breaks
 from tilecompile import reporting as R
+from tilecompile.passes import layer_regions
 from tilecompile.pipeline import run_passes
 
 log = logging.getLogger("tilecompile")
@@ -51,7 +53,7 @@ def tilecompile_backend(
             with R.graph_scope(graph_name):
                 gm = run_passes(gm, settings, graph_name)
                 _note_graph_breaks(gm, settings)
-            compiled = _inner_compile(gm, example_inputs, settings.inner, mode, inductor_options)
+            compiled = _compile(gm, example_inputs, settings, mode, inductor_options, graph_name)
         finally:
             _forget_specialized_floats()
         return R.serving(graph_name, gm, compiled)  # the report counts the modules this graph serves
@@ -353,6 +355,34 @@ def dynamic_workarounds(example_inputs: Sequence[Any], options: dict[str, Any]) 
     if not is_dynamic(example_inputs) or key in options or key not in inductor_config.get_config_copy():
         return {}
     return {key: False}
+
+
+def _compile(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    settings: config.Settings,
+    mode: str | None,
+    options: dict[str, Any],
+    graph_name: str,
+) -> Callable[..., Any]:
+    """The inner compile; where it fails on a graph with shared layer regions, again on the flat graph (after one
+    warning), so that a torch version whose AOTAutograd or Inductor cannot take a region costs compile time, not
+    the user's step. Dynamo's restarts and running out of memory pass through."""
+    try:
+        return _inner_compile(gm, example_inputs, settings.inner, mode, options)
+    except (torch._dynamo.exc.RestartAnalysis, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        if settings.strict or not layer_regions.undo(gm):
+            raise
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        R.withdraw(layer_regions.NAME, graph_name, reason)
+        warnings.warn(
+            f"tilecompile: {settings.inner} could not compile the shared layer regions of {graph_name} ({reason}); "
+            "compiling the layers one by one instead. TILECOMPILE_LAYER_REGIONS=0 skips the attempt.",
+            stacklevel=2,
+        )
+    return _inner_compile(gm, example_inputs, settings.inner, mode, options)
 
 
 def _inner_compile(

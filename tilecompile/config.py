@@ -32,6 +32,7 @@ _SPECS: dict[str, _Spec] = {
     "attention": _Spec(bool, True, "SDPA fed an [N, N] mask built from positions -> is_causal / masked attention"),
     "fused_linear_ce": _Spec(bool, True, "lm_head -> log-prob / entropy / cross-entropy -> one fused op"),
     "tiled_mlp": _Spec(bool, True, "gated MLPs -> sequence-chunked recompute regions"),
+    "layer_regions": _Spec(bool, True, "checkpointed layers with identical bodies -> one region, compiled once"),
     # safety: a failing rewrite raises instead of being undone with a warning
     "strict": _Spec(bool, False, "raise when a pass fails instead of undoing it with a warning"),
     # the compiler the rewritten graph is handed to
@@ -110,6 +111,7 @@ class Settings:
     attention: bool
     fused_linear_ce: bool
     tiled_mlp: bool
+    layer_regions: bool
     strict: bool
     inner: str
     log: str

@@ -27,8 +27,9 @@ from tilecompile.ops import own_autograd
 
 log = logging.getLogger("tilecompile")
 
-# canonical first: it rewrites spellings that hide a value (x + 0.0, torch.min(a, b), a linear autograd.Function)
-PASS_ORDER = ("canonical", "tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp")
+# canonical first: it rewrites spellings that hide a value (x + 0.0, torch.min(a, b), a linear autograd.Function);
+# layer_regions last: it compares the checkpoint bodies as the other passes left them
+PASS_ORDER = ("canonical", "tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp", "layer_regions")
 _EXPECTED = "tilecompile_expected"
 
 

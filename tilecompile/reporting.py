@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-PASS_NAMES = ("tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp")
+PASS_NAMES = ("tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp", "layer_regions")
 
 
 @dataclasses.dataclass
@@ -127,6 +127,13 @@ def record(rewrites: list[Rewrite] = (), skipped: list[Skip] = (), failures: lis
         _current.rewrites.extend(rewrites)
         _current.skipped.extend(skipped)
         _current.failures.extend(failures)
+
+
+def withdraw(pass_name: str, graph: str, reason: str) -> None:
+    """Takes back the rewrites ``pass_name`` made in ``graph`` (undone after the fact) and records why."""
+    with _lock:
+        _current.rewrites[:] = [r for r in _current.rewrites if not (r.pass_name == pass_name and r.graph == graph)]
+        _current.failures.append(Failure(pass_name, graph, reason))
 
 
 @contextlib.contextmanager

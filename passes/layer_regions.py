@@ -1,0 +1,256 @@
+"""Checkpointed layers with identical bodies -> one shared region (``invoke_subgraph``): compiled once, run N times.
+
+Under activation checkpointing Dynamo gives each decoder layer its own ``tag_activation_checkpoint`` call and body.
+AOTAutograd inlines every body into the joint graph, so AOTAutograd and Inductor trace, partition, lower and
+generate code for the same layer 28 times; under dynamic shapes every one of those steps also evaluates symbolic
+sizes. Here every group of call sites whose bodies are the same graph (node for node: targets, constants, the
+shapes, dtypes and requires_grad of their inputs) and whose checkpoint options match becomes calls of one
+``invoke_subgraph`` region that holds the checkpoint call. AOTAutograd traces the region's forward and backward once
+(its partitioner keeps the checkpoint's recompute tags), and Inductor compiles the region once and calls it at
+every site. What runs is the same: the same ops in the same order on the same operands.
+
+Inductor binds a region's symbolic sizes from its inputs: a size that is an expression of a symbol (``s42 + 1``,
+the token count when a loss input is one token shorter) needs the symbol itself among them. The root graph's
+placeholder that binds each such symbol is passed to every call as an extra, unused operand.
+
+A region that fails to compile is undone (``undo``) by the backend, which then compiles the flat graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tilecompile import graph as G
+from tilecompile import reporting as R
+from tilecompile.pipeline import PassContext, PassResult, snapshot_graph
+
+NAME = "layer_regions"
+_FLAT = "tilecompile_flat_graph"  # gm.meta key: the root graph before this pass (``undo``)
+_REGION = "tilecompile_layer_region"  # region module meta: made here (the pass does not look inside it)
+_names = itertools.count()
+
+
+def _checkpoint_op():
+    return torch.ops.higher_order.tag_activation_checkpoint
+
+
+def _invoke_op():
+    return torch.ops.higher_order.invoke_subgraph
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    result = PassResult()
+    if gm.meta.get(_REGION):
+        return result
+    sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _checkpoint_op()]
+    if not sites:
+        return result
+    groups: dict[str, list[fx.Node]] = {}
+    for site in sites:
+        result.consider(site, f"checkpointed region {site.name}")
+        key, reason = _key(gm, site)
+        if reason:
+            result.skip(site, R.Skip(NAME, f"checkpointed region {site.name}", _where(gm, site), reason))
+        else:
+            groups.setdefault(key, []).append(site)
+    binders = _symbol_binders(gm)
+    shared = []
+    for group in groups.values():
+        reason = _check_group(group, binders)
+        if not reason:
+            shared.append(group)
+            continue
+        for site in group:
+            result.skip(site, R.Skip(NAME, f"checkpointed region {site.name}", _where(gm, site), reason))
+    if not shared:
+        return result
+    gm.meta.setdefault(_FLAT, snapshot_graph(gm.graph))  # the first flat graph: a second run must undo to it
+    for group in shared:
+        paths = [_where(gm, site) for site in group]  # before the sites are replaced
+        name = _share(gm, group, binders)
+        detail = f"one of {len(group)} checkpointed layers that share one compiled region ({name})"
+        for site, path in zip(group, paths):
+            result.rewrote(site, R.Rewrite(NAME, path, detail=detail))
+    gm.graph.eliminate_dead_code()
+    return result
+
+
+def undo(gm: fx.GraphModule) -> bool:
+    """Puts back the flat root graph this pass replaced (True), or does nothing where it made no region (False)."""
+    flat = gm.meta.pop(_FLAT, None)
+    if flat is None:
+        return False
+    gm.graph = flat
+    gm.recompile()
+    return True
+
+
+def _where(gm: fx.GraphModule, site: fx.Node) -> str:
+    """The module the checkpointed call ran (the call site itself carries no module stack): the longest module path
+    its body's nodes share, e.g. ``model.layers.3``."""
+    body = getattr(gm, site.args[0].target, None) if site.args and isinstance(site.args[0], fx.Node) else None
+    if not isinstance(body, fx.GraphModule):
+        return G.module_path(site)
+    return G.common_module_path(n for n in body.graph.nodes if n.op == "call_function") or G.module_path(site)
+
+
+def _key(gm: fx.GraphModule, site: fx.Node) -> tuple[str, str]:
+    """(the site's grouping key, '') or ('', the reason it cannot be shared)."""
+    body_ref = site.args[0] if site.args else None
+    if not isinstance(body_ref, fx.Node) or body_ref.op != "get_attr":
+        return "", "its body is not a submodule of the graph"
+    body = getattr(gm, body_ref.target, None)
+    if not isinstance(body, fx.GraphModule):
+        return "", "its body is not a GraphModule"
+    if not all(isinstance(a, fx.Node) for a in site.args[1:]):
+        return "", "a constant operand (a region takes tensors and symbolic sizes)"
+    index: dict[fx.Node, int] = {}
+    parts: list[Any] = [repr(site.kwargs)]
+    for i, node in enumerate(body.graph.nodes):
+        index[node] = i
+        if node.op == "placeholder":
+            parts.append(("in", _describe(node.meta.get("example_value"))))
+        elif node.op in ("get_attr", "call_module"):
+            return "", f"its body reads a module attribute ({node.target}): not compared"
+        elif _reads_value(node):
+            return "", "its body reads a tensor's value on the host (.item(), e.g. a float Dynamo made a tensor)"
+        else:
+            args = fx.node.map_arg((node.args, node.kwargs), lambda n: ("%", index[n]))
+            parts.append((node.op, _target(node.target), repr(args)))
+    return repr(parts), ""
+
+
+def _reads_value(node: fx.Node) -> bool:
+    """``.item()`` / ``.tolist()`` and kin: AOTAutograd traces a region without the data-dependent scalars that
+    reading a value makes (the flat graph turns such a float back into a tensor)."""
+    if node.op == "call_method":
+        return node.target in ("item", "tolist", "__float__", "__int__", "__bool__")
+    return node.target in (torch.Tensor.item, torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+
+
+def _target(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}@{id(target)}"
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(tuple(value.shape)), str(value.stride()), str(value.dtype), str(value.device),
+                value.requires_grad)  # fmt: skip
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return (type(value).__name__, str(value.node.expr))
+    return ("value", repr(value))
+
+
+def _symbol_binders(gm: fx.GraphModule) -> dict[Any, fx.Node]:
+    """symbol -> the placeholder of ``gm`` that is that symbol (a SymInt input whose expression is one symbol)."""
+    binders: dict[Any, fx.Node] = {}
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value") if node.op == "placeholder" else None
+        if isinstance(value, torch.SymInt) and value.node.expr.is_Symbol:
+            binders.setdefault(value.node.expr, node)
+    return binders
+
+
+def _free_symbols(value: Any) -> set:
+    symbols: set = set()
+    if isinstance(value, torch.Tensor):
+        for size in (*value.shape, *value.stride()):
+            if isinstance(size, torch.SymInt):
+                symbols |= size.node.expr.free_symbols
+    elif isinstance(value, torch.SymInt):
+        symbols |= value.node.expr.free_symbols
+    return symbols
+
+
+def _needed_symbols(group: list[fx.Node]) -> set:
+    needed: set = set()
+    for site in group:
+        for operand in site.args[1:]:
+            needed |= _free_symbols(G.example_value(operand))
+    return needed
+
+
+def _check_group(group: list[fx.Node], binders: dict[Any, fx.Node]) -> str:
+    if len(group) < 2:
+        return "no other checkpointed region has the same body: nothing to share"
+    for site in group:
+        for operand in site.args[1:]:
+            if not isinstance(G.example_value(operand), torch.Tensor | torch.SymInt):
+                return f"operand {operand.name} is neither a tensor nor a symbolic size"
+    unbound = [s for s in _needed_symbols(group) if s not in binders]
+    if unbound:
+        return f"symbolic sizes {sorted(map(str, unbound))} have no input of their own to bind them in the region"
+    body = _body(group[0])
+    out = next(n for n in body.graph.nodes if n.op == "output").args[0]
+    outs = out if isinstance(out, tuple | list) else (out,)
+    if any(isinstance(o, fx.Node) and o.op == "placeholder" for o in outs):
+        return "the body returns one of its inputs (a region's outputs must be new tensors)"
+    return ""
+
+
+def _body(site: fx.Node) -> fx.GraphModule:
+    return site.graph.owning_module.get_submodule(site.args[0].target)
+
+
+def _pruned(body: fx.GraphModule) -> tuple[fx.GraphModule, list[int]]:
+    """A copy of ``body`` without the inputs it does not read (a float the backend made a constant: the region
+    would carry it for nothing), and the positions of those it keeps."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(body.graph, {}))
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    used = [i for i, ph in enumerate(inputs) if ph.users]
+    for ph in inputs:
+        if not ph.users:
+            graph.erase_node(ph)
+    return fx.GraphModule(body, graph, class_name=type(body).__name__), used
+
+
+def _share(gm: fx.GraphModule, group: list[fx.Node], binders: dict[Any, fx.Node]) -> str:
+    """One region module for ``group``; every site becomes a call of it. Returns the region's name."""
+    first = group[0]
+    body, used = _pruned(_body(first))
+    symbols = [binders[s] for s in sorted(_needed_symbols(group), key=str)]
+    graph = fx.Graph()
+    inputs = [graph.placeholder(f"arg{i}") for i in range(len(used))]
+    for i, sym in enumerate(symbols):  # unused by the body: they bind the symbols of the inputs' sizes
+        graph.placeholder(f"sym{i}").meta["example_value"] = G.example_value(sym)
+    for ph, i in zip(inputs, used):
+        ph.meta["example_value"] = G.example_value(first.args[1 + i])
+    root = torch.nn.Module()
+    root.body = body
+    call = graph.call_function(_checkpoint_op(), (graph.get_attr("body"), *inputs), dict(first.kwargs))
+    out = next(n for n in body.graph.nodes if n.op == "output").args[0]
+    single = not isinstance(out, tuple | list)
+    if single:
+        graph.output((call,))
+    else:
+        graph.output(tuple(graph.call_function(operator.getitem, (call, i)) for i in range(len(out))))
+    region = fx.GraphModule(root, graph, class_name="LayerRegion")
+    region.meta[_REGION] = True
+    name = f"tilecompile_layers_{next(_names)}"
+    while hasattr(gm, name):
+        name = f"tilecompile_layers_{next(_names)}"
+    gm.add_submodule(name, region)
+    for site in group:
+        with gm.graph.inserting_before(site):
+            ref = gm.graph.get_attr(name)
+            operands = [site.args[1 + i] for i in used]
+            new = gm.graph.call_function(_invoke_op(), (ref, name, *operands, *symbols))
+        new.meta.update(site.meta)
+        if single:
+            new.meta["example_value"] = (site.meta.get("example_value"),)
+            with gm.graph.inserting_after(new):
+                item = gm.graph.call_function(operator.getitem, (new, 0))
+            item.meta.update(site.meta)
+            site.replace_all_uses_with(item)
+        else:
+            site.replace_all_uses_with(new)
+        gm.graph.erase_node(site)
+    return name

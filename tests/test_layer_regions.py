@@ -1,0 +1,218 @@
+"""layer_regions: checkpointed layers with identical bodies become calls of one invoke_subgraph region.
+
+What runs must not change: values and every gradient against eager (float64), what backward saves, one compile
+for every length under dynamic shapes. Layers that differ stay apart with a reason, and a region the inner compiler
+cannot take is undone rather than failing the step."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, assert_grads_close, compile_options
+from torch._dynamo.utils import counters
+
+import tilecompile
+from tilecompile import backend
+
+D = 16
+
+
+class Block(torch.nn.Module):
+    """An HF-style layer: RMSNorm, causal SDPA, a gated MLP of width ``inter``."""
+
+    def __init__(self, inter: int = 24, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.eps = heads, 1e-6
+        self.norm = torch.nn.Parameter(torch.rand(D) + 0.5)
+        self.qkv = torch.nn.Linear(D, 3 * D, bias=False)
+        self.gate, self.up = torch.nn.Linear(D, inter, bias=False), torch.nn.Linear(D, inter, bias=False)
+        self.down = torch.nn.Linear(inter, D, bias=False)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        h = self.norm * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.qkv(h).chunk(3, -1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + a.transpose(1, 2).reshape(b, n, d)
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, inters=(24, 24, 24), checkpoint: bool = True, vocab: int = 50) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.embed = torch.nn.Embedding(vocab, D)
+        self.blocks = torch.nn.ModuleList(Block(i) for i in inters)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpoint else block(x)
+        return x
+
+
+def loss_fn(model, ids, weights):
+    """A loss over tokens 1..n-1 with a per-token weight of n-1 entries: Dynamo's token count becomes s + 1."""
+    return (model(ids)[:, 1:].pow(2).mean(-1) * weights).sum()
+
+
+def _pair(**kwargs):
+    torch.manual_seed(0)
+    model = Model(**kwargs).double()
+    ref = Model(**kwargs).double()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _graphs(monkeypatch) -> list:
+    """The graphs handed to the inner compiler."""
+    seen = []
+    inner = backend._inner_compile
+    monkeypatch.setattr(backend, "_inner_compile", lambda gm, *a: seen.append(gm) or inner(gm, *a))
+    return seen
+
+
+def _region_calls(gm) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph]
+
+
+def _step(f, model, ref, n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    ids, w = torch.randint(0, 50, (2, n), generator=g), torch.rand(2, n - 1, generator=g, dtype=torch.float64)
+    for p in (*model.parameters(), *ref.parameters()):
+        p.grad = None
+    out, expected = f(model, ids, w), loss_fn(ref, ids, w)
+    out.backward()
+    expected.backward()
+    assert_close(out, expected, rtol=1e-10, atol=1e-12, name=f"loss at {n} tokens")
+    assert_grads_close(model, ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_identical_layers_share_one_region(monkeypatch, dynamic):
+    graphs = _graphs(monkeypatch)
+    model, ref = _pair()
+    f = torch.compile(loss_fn, backend="tilecompile", dynamic=dynamic, options=compile_options())
+    frames = counters["frames"]["ok"]
+    for n in (9, 13) if dynamic else (9,):
+        _step(f, model, ref, n)
+    assert counters["frames"]["ok"] == frames + 1, "one compile serves both lengths"
+    assert tilecompile.report().counts["layer_regions"] == 3
+    calls = _region_calls(graphs[-1])
+    assert len(calls) == 3 and len({c.args[0].target for c in calls}) == 1, [c.format_node() for c in calls]
+    assert not [n for n in graphs[-1].graph.nodes if "checkpoint" in str(n.target)], "a layer left outside"
+    if dynamic:  # the token count is s + 1: the symbol s itself is passed so the region can bind its sizes
+        symbols = [a for a in calls[0].args[2:] if isinstance(a.meta.get("example_value"), torch.SymInt)]
+        assert symbols and all(a.op == "placeholder" for a in symbols), calls[0].format_node()
+
+
+def test_regions_save_what_checkpointing_saves():
+    """The region keeps the checkpoint inside it: backward saves what the flat checkpointed graph saves (each
+    layer's input) plus at most one layer output (the last region's output is saved for the loss; the flat graph
+    recomputes it), far less than the graph without checkpointing."""
+
+    def saved_bytes(checkpoint: bool, regions: bool) -> int:
+        model, _ = _pair(checkpoint=checkpoint)
+        options = compile_options(layer_regions=regions)
+        f = torch.compile(loss_fn, backend="tilecompile", options=options)
+        ids, w = torch.randint(0, 50, (2, 64)), torch.rand(2, 63, dtype=torch.float64)
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = f(model, ids, w)
+        out.backward()
+        torch._dynamo.reset()
+        return total[0]
+
+    shared, flat, plain = saved_bytes(True, True), saved_bytes(True, False), saved_bytes(False, True)
+    assert flat <= shared <= flat + 2 * 64 * D * 8, (shared, flat)
+    assert shared < plain / 2, (shared, plain)
+
+
+def test_layers_that_differ_stay_apart_with_a_reason(monkeypatch):
+    graphs = _graphs(monkeypatch)
+    model, ref = _pair(inters=(24, 40, 24))
+    f = torch.compile(loss_fn, backend="tilecompile", options=compile_options())
+    _step(f, model, ref, 9)
+    rep = tilecompile.report()
+    assert rep.counts["layer_regions"] == 2
+    (skip,) = [s for s in rep.skipped if s.pass_name == "layer_regions"]
+    assert "no other checkpointed region has the same body" in skip.reason and skip.module_path == "blocks.1"
+    assert len(_region_calls(graphs[-1])) == 2
+
+
+def test_switched_off_leaves_the_layers_flat(monkeypatch):
+    graphs = _graphs(monkeypatch)
+    model, ref = _pair()
+    f = torch.compile(loss_fn, backend="tilecompile", options=compile_options(layer_regions=False))
+    _step(f, model, ref, 9)
+    assert tilecompile.report().counts["layer_regions"] == 0
+    assert not _region_calls(graphs[-1])
+
+
+def test_a_body_that_reads_a_value_is_not_shared():
+    """A float Dynamo made a tensor is read with .item() in the body; a region cannot be traced with it."""
+
+    class Reads(Block):
+        def forward(self, x):
+            return super().forward(x) * self.norm.sum().item()
+
+    model = Model()
+    model.blocks = torch.nn.ModuleList(Reads() for _ in range(2))
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch.compile(model, backend="tilecompile", options=compile_options())(torch.randint(0, 50, (2, 9)))
+    rep = tilecompile.report()
+    assert rep.counts["layer_regions"] == 0
+    assert any("reads a tensor's value on the host" in s.reason for s in rep.skipped if s.pass_name == "layer_regions")
+
+
+def test_a_region_the_inner_compiler_rejects_is_undone(monkeypatch):
+    """Not strict: the inner compiler failing on the regions compiles the flat graph instead, after a warning, and
+    the report takes the regions back."""
+    inner, tried = backend._inner_compile, []
+
+    def picky(gm, *a):
+        tried.append(bool(_region_calls(gm)))
+        if _region_calls(gm):
+            raise RuntimeError("no regions here")
+        return inner(gm, *a)
+
+    monkeypatch.setattr(backend, "_inner_compile", picky)
+    model, ref = _pair()
+    f = torch.compile(loss_fn, backend="tilecompile", options=compile_options(strict=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(f, model, ref, 9)
+    assert tried == [True, False]
+    assert any("could not compile the shared layer regions" in str(w.message) for w in caught)
+    rep = tilecompile.report()
+    assert rep.counts["layer_regions"] == 0
+    assert [(x.pass_name, x.reason) for x in rep.failures] == [("layer_regions", "RuntimeError: no regions here")]
+
+
+def test_strict_raises_instead_of_undoing(monkeypatch):
+    def reject(gm, *a):
+        raise RuntimeError("no regions here")
+
+    monkeypatch.setattr(backend, "_inner_compile", reject)
+    model, _ = _pair()
+    f = torch.compile(loss_fn, backend="tilecompile", options=compile_options())
+    with pytest.raises(Exception, match="no regions here"):
+        f(model, torch.randint(0, 50, (2, 9)), torch.rand(2, 8, dtype=torch.float64))
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_region_under_dynamic_shapes():
+    """Through Inductor's CPU backend: the region's sizes are bound by the symbol passed beside its inputs."""
+    model, ref = _pair()
+    f = torch.compile(loss_fn, backend="tilecompile", dynamic=True, options=compile_options(inner="inductor"))
+    for n in (9, 13):
+        _step(f, model, ref, n)
+    assert tilecompile.report().counts["layer_regions"] == 3
