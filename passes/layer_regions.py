@@ -13,7 +13,9 @@ Inductor binds a region's symbolic sizes from its inputs: a size that is an expr
 the token count when a loss input is one token shorter) needs the symbol itself among them. The root graph's
 placeholder that binds each such symbol is passed to every call as an extra, unused operand.
 
-A region that fails to compile is undone (``undo``) by the backend, which then compiles the flat graph.
+Regions are made in the root graph only (the backend's undo restores the root). A region that fails to compile,
+forward or backward (the backend lowers the backward eagerly then), is undone (``undo``) by the backend, which then
+compiles the flat graph.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tilecompile import graph as G
 from tilecompile import reporting as R
@@ -49,6 +52,19 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return result
     sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _checkpoint_op()]
     if not sites:
+        return result
+    if ctx.graph_name != "<root>":  # the backend's undo restores the root graph only
+        for site in sites:
+            result.consider(site, f"checkpointed region {site.name}")
+            reason = "inside another higher-order op's body: regions are made in the root graph only"
+            result.skip(site, R.Skip(NAME, f"checkpointed region {site.name}", _where(gm, site), reason))
+        return result
+    subclass = _subclass_input(gm)
+    if subclass:  # AOTAutograd traces such a graph through the subclass, which invoke_subgraph has no rule for
+        for site in sites:
+            result.consider(site, f"checkpointed region {site.name}")
+            reason = f"the graph takes a tensor subclass ({subclass}): AOTAutograd cannot trace a region through it"
+            result.skip(site, R.Skip(NAME, f"checkpointed region {site.name}", _where(gm, site), reason))
         return result
     groups: dict[str, list[fx.Node]] = {}
     for site in sites:
@@ -76,7 +92,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         detail = f"one of {len(group)} checkpointed layers that share one compiled region ({name})"
         for site, path in zip(group, paths):
             result.rewrote(site, R.Rewrite(NAME, path, detail=detail))
-    gm.graph.eliminate_dead_code()
+    for ref in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:  # the shared sites' old bodies
+        gm.graph.erase_node(ref)
     return result
 
 
@@ -88,6 +105,25 @@ def undo(gm: fx.GraphModule) -> bool:
     gm.graph = flat
     gm.recompile()
     return True
+
+
+def _subclass_input(gm: fx.GraphModule) -> str:
+    """The class name of a tensor-subclass input of ``gm`` (DTensor, a quantized weight), or ''."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = G.example_value(node)
+        if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
+            return type(value).__name__
+    return ""
+
+
+def forget(gm: fx.GraphModule) -> None:
+    """Drops the flat graph kept for ``undo`` (the compile succeeded)."""
+    gm.meta.pop(_FLAT, None)
+
+
+def made(gm: fx.GraphModule) -> bool:
+    """Whether this pass made regions in ``gm`` that ``undo`` can take back."""
+    return _FLAT in gm.meta
 
 
 def _where(gm: fx.GraphModule, site: fx.Node) -> str:
@@ -120,9 +156,19 @@ def _key(gm: fx.GraphModule, site: fx.Node) -> tuple[str, str]:
         elif _reads_value(node):
             return "", "its body reads a tensor's value on the host (.item(), e.g. a float Dynamo made a tensor)"
         else:
-            args = fx.node.map_arg((node.args, node.kwargs), lambda n: ("%", index[n]))
+            args = fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(index[n]))
             parts.append((node.op, _target(node.target), repr(args)))
     return repr(parts), ""
+
+
+class _Ref:
+    """A node reference in a grouping key: its repr, ``%3``, is nothing a constant's repr can be."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"%{self.index}"
 
 
 def _reads_value(node: fx.Node) -> bool:
@@ -141,8 +187,8 @@ def _target(target: Any) -> str:
 
 def _describe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return ("tensor", str(tuple(value.shape)), str(value.stride()), str(value.dtype), str(value.device),
-                value.requires_grad)  # fmt: skip
+        return ("tensor", type(value).__qualname__, str(tuple(value.shape)), str(value.stride()), str(value.dtype),
+                str(value.device), value.requires_grad)  # fmt: skip
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
         return (type(value).__name__, str(value.node.expr))
     return ("value", repr(value))
@@ -182,8 +228,11 @@ def _check_group(group: list[fx.Node], binders: dict[Any, fx.Node]) -> str:
         return "no other checkpointed region has the same body: nothing to share"
     for site in group:
         for operand in site.args[1:]:
-            if not isinstance(G.example_value(operand), torch.Tensor | torch.SymInt):
+            value = G.example_value(operand)
+            if not isinstance(value, torch.Tensor | torch.SymInt):
                 return f"operand {operand.name} is neither a tensor nor a symbolic size"
+            if is_traceable_wrapper_subclass(value):
+                return f"operand {operand.name} is a tensor subclass ({type(value).__name__})"
     unbound = [s for s in _needed_symbols(group) if s not in binders]
     if unbound:
         return f"symbolic sizes {sorted(map(str, unbound))} have no input of their own to bind them in the region"

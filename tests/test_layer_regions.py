@@ -105,8 +105,11 @@ def test_identical_layers_share_one_region(monkeypatch, dynamic):
     assert len(calls) == 3 and len({c.args[0].target for c in calls}) == 1, [c.format_node() for c in calls]
     assert not [n for n in graphs[-1].graph.nodes if "checkpoint" in str(n.target)], "a layer left outside"
     if dynamic:  # the token count is s + 1: the symbol s itself is passed so the region can bind its sizes
-        symbols = [a for a in calls[0].args[2:] if isinstance(a.meta.get("example_value"), torch.SymInt)]
-        assert symbols and all(a.op == "placeholder" for a in symbols), calls[0].format_node()
+        region = getattr(graphs[-1], calls[0].args[0].target)
+        extra = [p for p in region.graph.find_nodes(op="placeholder") if p.name.startswith("sym")]
+        assert extra and not any(p.users for p in extra), region.graph
+        bound = calls[0].args[-len(extra) :]
+        assert all(a.op == "placeholder" and a.meta["example_value"].node.expr.is_Symbol for a in bound), bound
 
 
 def test_regions_save_what_checkpointing_saves():
@@ -198,14 +201,115 @@ def test_a_region_the_inner_compiler_rejects_is_undone(monkeypatch):
 
 
 def test_strict_raises_instead_of_undoing(monkeypatch):
-    def reject(gm, *a):
-        raise RuntimeError("no regions here")
+    inner, tried = backend._inner_compile, []
 
-    monkeypatch.setattr(backend, "_inner_compile", reject)
+    def picky(gm, *a):
+        tried.append(bool(_region_calls(gm)))
+        if _region_calls(gm):
+            raise RuntimeError("no regions here")
+        return inner(gm, *a)
+
+    monkeypatch.setattr(backend, "_inner_compile", picky)
     model, _ = _pair()
     f = torch.compile(loss_fn, backend="tilecompile", options=compile_options())
     with pytest.raises(Exception, match="no regions here"):
         f(model, torch.randint(0, 50, (2, 9)), torch.rand(2, 8, dtype=torch.float64))
+    assert tried == [True], "strict mode compiled the flat graph after the failure"
+
+
+def test_a_backward_that_rejects_the_region_is_undone_at_compile_time(monkeypatch):
+    """AOTAutograd lowers a static graph's backward at the first backward(); with regions it is lowered with the
+    forward, so a backward compiler that cannot take a region falls back before the step runs."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def bw(gm, _):
+        if _region_calls(gm):
+            raise RuntimeError("this backward takes no regions")
+        return make_boxed_func(gm.forward)
+
+    inner = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=bw)
+    monkeypatch.setattr(backend, "_inner_compile", lambda gm, ex, *a: inner(gm, ex))
+    model, ref = _pair()
+    f = torch.compile(loss_fn, backend="tilecompile", options=compile_options(strict=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(f, model, ref, 9)
+    assert any("could not compile the shared layer regions" in str(w.message) for w in caught)
+    assert tilecompile.report().counts["layer_regions"] == 0
+
+
+class InPlace(Block):
+    """An in-place op whose result nobody reads (FX's dead-code removal would drop it), and a step counter."""
+
+    def forward(self, x):
+        h = super().forward(x)
+        h.mul_(2)
+        return h.sin()
+
+
+def test_in_place_ops_in_bodies_and_root_survive():
+    torch.manual_seed(0)
+    model = Model()
+    model.blocks = torch.nn.ModuleList(InPlace() for _ in range(3))
+    model.register_buffer("steps", torch.zeros(()))
+    ref = Model()
+    ref.blocks = torch.nn.ModuleList(InPlace() for _ in range(3))
+    ref.register_buffer("steps", torch.zeros(()))
+    ref.load_state_dict(model.state_dict())
+
+    def step(m, ids):
+        m.steps.add_(1)
+        return m(ids).sum()
+
+    ids = torch.randint(0, 50, (2, 9))
+    out = torch.compile(step, backend="tilecompile", options=compile_options())(model, ids)
+    expected = step(ref, ids)
+    out.backward()
+    expected.backward()
+    assert tilecompile.report().counts["layer_regions"] == 3
+    assert_close(out, expected, rtol=1e-5, atol=1e-5, name="loss")
+    assert_grads_close(model, ref, rtol=1e-4, atol=1e-5)
+    assert model.steps.item() == 1.0
+
+
+def test_nested_checkpoints_are_left_with_a_reason():
+    """Checkpointed layers inside an outer checkpoint: the regions would live in a body the backend cannot undo."""
+    model, ref = _pair()
+
+    def outer(m, ids, w):
+        return torch.utils.checkpoint.checkpoint(loss_fn, m, ids, w, use_reentrant=False)
+
+    ids, w = torch.randint(0, 50, (2, 9)), torch.rand(2, 8, dtype=torch.float64)
+    out = torch.compile(outer, backend="tilecompile", options=compile_options())(model, ids, w)
+    assert_close(out, loss_fn(ref, ids, w), rtol=1e-10, atol=1e-12, name="loss")
+    rep = tilecompile.report()
+    assert rep.counts["layer_regions"] == 0
+    reasons = [s.reason for s in rep.skipped if s.pass_name == "layer_regions"]
+    inner = "inside another higher-order op's body: regions are made in the root graph only"
+    assert reasons.count(inner) == 3, reasons  # the outer call's own body holds a nested body: not compared
+
+
+def test_a_graph_with_a_tensor_subclass_input_is_left_with_a_reason():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class Layers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3))
+            self.w[2] = torch.nn.Parameter(TwoTensor(torch.randn(4, 4), torch.randn(4, 4)))
+
+        def forward(self, x):
+            for w in self.w:
+                x = torch.utils.checkpoint.checkpoint(lambda t, w: (t @ w).sin(), x, w, use_reentrant=False)
+            return x
+
+    model, x = Layers(), torch.randn(3, 4)
+    out = torch.compile(model, backend="tilecompile", options=compile_options())(x)
+    assert_close(out, model(x), rtol=1e-6, atol=1e-6, name="out")
+    rep = tilecompile.report()
+    assert rep.counts["layer_regions"] == 0
+    assert all("tensor subclass (TwoTensor)" in s.reason for s in rep.skipped if s.pass_name == "layer_regions")
 
 
 @pytest.mark.slow

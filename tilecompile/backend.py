@@ -365,24 +365,42 @@ def _compile(
     options: dict[str, Any],
     graph_name: str,
 ) -> Callable[..., Any]:
-    """The inner compile; where it fails on a graph with shared layer regions, again on the flat graph (after one
-    warning), so that a torch version whose AOTAutograd or Inductor cannot take a region costs compile time, not
-    the user's step. Dynamo's restarts and running out of memory pass through."""
-    try:
+    """The inner compile. A graph with shared layer regions is compiled with its backward lowered at once (not at the
+    first ``backward()``); where that fails, the regions are undone and the flat graph compiled, after one warning,
+    so that a torch version whose AOTAutograd or Inductor cannot take a region costs a compile, not the user's step.
+    Strict mode raises instead. Dynamo's restarts and running out of memory pass through."""
+    if not layer_regions.made(gm):
         return _inner_compile(gm, example_inputs, settings.inner, mode, options)
+    try:
+        with _backward_lowered_at_once():
+            compiled = _inner_compile(gm, example_inputs, settings.inner, mode, options)
     except (torch._dynamo.exc.RestartAnalysis, torch.OutOfMemoryError):
         raise
     except Exception as exc:
-        if settings.strict or not layer_regions.undo(gm):
+        if settings.strict:
             raise
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        layer_regions.undo(gm)
+        compiled = _inner_compile(gm, example_inputs, settings.inner, mode, options)  # raises on its own error
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
         R.withdraw(layer_regions.NAME, graph_name, reason)
         warnings.warn(
             f"tilecompile: {settings.inner} could not compile the shared layer regions of {graph_name} ({reason}); "
-            "compiling the layers one by one instead. TILECOMPILE_LAYER_REGIONS=0 skips the attempt.",
+            "the layers were compiled one by one instead. TILECOMPILE_LAYER_REGIONS=0 skips the attempt.",
             stacklevel=2,
         )
-    return _inner_compile(gm, example_inputs, settings.inner, mode, options)
+        return compiled
+    layer_regions.forget(gm)
+    return compiled
+
+
+def _backward_lowered_at_once():
+    """AOTAutograd compiling the backward with the forward (torch 2.11 compiles it lazily for static shapes, and for
+    dynamic ones retries a failed backward lazily): a backward that cannot take a region then fails here."""
+    cfg = torch._functorch.config
+    if not hasattr(cfg, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return cfg.patch(force_non_lazy_backward_lowering=True)
 
 
 def _inner_compile(
