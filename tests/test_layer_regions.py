@@ -176,9 +176,8 @@ def test_a_body_that_reads_a_value_is_not_shared():
     assert any("reads a tensor's value on the host" in s.reason for s in rep.skipped if s.pass_name == "layer_regions")
 
 
-def test_a_region_the_inner_compiler_rejects_is_undone(monkeypatch):
-    """Not strict: the inner compiler failing on the regions compiles the flat graph instead, after a warning, and
-    the report takes the regions back."""
+def _reject_regions(monkeypatch) -> list[bool]:
+    """The inner compiler raises on a graph with region calls; returns, per compile, whether it had any."""
     inner, tried = backend._inner_compile, []
 
     def picky(gm, *a):
@@ -188,6 +187,13 @@ def test_a_region_the_inner_compiler_rejects_is_undone(monkeypatch):
         return inner(gm, *a)
 
     monkeypatch.setattr(backend, "_inner_compile", picky)
+    return tried
+
+
+def test_a_region_the_inner_compiler_rejects_is_undone(monkeypatch):
+    """Not strict: the inner compiler failing on the regions compiles the flat graph instead, after a warning, and
+    the report takes the regions back."""
+    tried = _reject_regions(monkeypatch)
     model, ref = _pair()
     f = torch.compile(loss_fn, backend="tilecompile", options=compile_options(strict=False))
     with warnings.catch_warnings(record=True) as caught:
@@ -201,15 +207,7 @@ def test_a_region_the_inner_compiler_rejects_is_undone(monkeypatch):
 
 
 def test_strict_raises_instead_of_undoing(monkeypatch):
-    inner, tried = backend._inner_compile, []
-
-    def picky(gm, *a):
-        tried.append(bool(_region_calls(gm)))
-        if _region_calls(gm):
-            raise RuntimeError("no regions here")
-        return inner(gm, *a)
-
-    monkeypatch.setattr(backend, "_inner_compile", picky)
+    tried = _reject_regions(monkeypatch)
     model, _ = _pair()
     f = torch.compile(loss_fn, backend="tilecompile", options=compile_options())
     with pytest.raises(Exception, match="no regions here"):
