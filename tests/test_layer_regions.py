@@ -59,6 +59,11 @@ def loss_fn(model, ids, weights):
     return (model(ids)[:, 1:].pow(2).mean(-1) * weights).sum()
 
 
+def _options(**overrides) -> dict:
+    """The tests' compile options with the regions on (they are off by default)."""
+    return compile_options(**{"layer_regions": True, **overrides})
+
+
 def _pair(**kwargs):
     torch.manual_seed(0)
     model = Model(**kwargs).double()
@@ -95,7 +100,7 @@ def _step(f, model, ref, n: int) -> None:
 def test_identical_layers_share_one_region(monkeypatch, dynamic):
     graphs = _graphs(monkeypatch)
     model, ref = _pair()
-    f = torch.compile(loss_fn, backend="tilecompile", dynamic=dynamic, options=compile_options())
+    f = torch.compile(loss_fn, backend="tilecompile", dynamic=dynamic, options=_options())
     frames = counters["frames"]["ok"]
     for n in (9, 13) if dynamic else (9,):
         _step(f, model, ref, n)
@@ -119,7 +124,7 @@ def test_regions_save_what_checkpointing_saves():
 
     def saved_bytes(checkpoint: bool, regions: bool) -> int:
         model, _ = _pair(checkpoint=checkpoint)
-        options = compile_options(layer_regions=regions)
+        options = _options(layer_regions=regions)
         f = torch.compile(loss_fn, backend="tilecompile", options=options)
         ids, w = torch.randint(0, 50, (2, 64)), torch.rand(2, 63, dtype=torch.float64)
         total = [0]
@@ -142,7 +147,7 @@ def test_regions_save_what_checkpointing_saves():
 def test_layers_that_differ_stay_apart_with_a_reason(monkeypatch):
     graphs = _graphs(monkeypatch)
     model, ref = _pair(inters=(24, 40, 24))
-    f = torch.compile(loss_fn, backend="tilecompile", options=compile_options())
+    f = torch.compile(loss_fn, backend="tilecompile", options=_options())
     _step(f, model, ref, 9)
     rep = tilecompile.report()
     assert rep.counts["layer_regions"] == 2
@@ -154,7 +159,7 @@ def test_layers_that_differ_stay_apart_with_a_reason(monkeypatch):
 def test_switched_off_leaves_the_layers_flat(monkeypatch):
     graphs = _graphs(monkeypatch)
     model, ref = _pair()
-    f = torch.compile(loss_fn, backend="tilecompile", options=compile_options(layer_regions=False))
+    f = torch.compile(loss_fn, backend="tilecompile", options=_options(layer_regions=False))
     _step(f, model, ref, 9)
     assert tilecompile.report().counts["layer_regions"] == 0
     assert not _region_calls(graphs[-1])
@@ -170,7 +175,7 @@ def test_a_body_that_reads_a_value_is_not_shared():
     model = Model()
     model.blocks = torch.nn.ModuleList(Reads() for _ in range(2))
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        torch.compile(model, backend="tilecompile", options=compile_options())(torch.randint(0, 50, (2, 9)))
+        torch.compile(model, backend="tilecompile", options=_options())(torch.randint(0, 50, (2, 9)))
     rep = tilecompile.report()
     assert rep.counts["layer_regions"] == 0
     assert any("reads a tensor's value on the host" in s.reason for s in rep.skipped if s.pass_name == "layer_regions")
@@ -195,7 +200,7 @@ def test_a_region_the_inner_compiler_rejects_is_undone(monkeypatch):
     the report takes the regions back."""
     tried = _reject_regions(monkeypatch)
     model, ref = _pair()
-    f = torch.compile(loss_fn, backend="tilecompile", options=compile_options(strict=False))
+    f = torch.compile(loss_fn, backend="tilecompile", options=_options(strict=False))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _step(f, model, ref, 9)
@@ -209,7 +214,7 @@ def test_a_region_the_inner_compiler_rejects_is_undone(monkeypatch):
 def test_strict_raises_instead_of_undoing(monkeypatch):
     tried = _reject_regions(monkeypatch)
     model, _ = _pair()
-    f = torch.compile(loss_fn, backend="tilecompile", options=compile_options())
+    f = torch.compile(loss_fn, backend="tilecompile", options=_options())
     with pytest.raises(Exception, match="no regions here"):
         f(model, torch.randint(0, 50, (2, 9)), torch.rand(2, 8, dtype=torch.float64))
     assert tried == [True], "strict mode compiled the flat graph after the failure"
@@ -229,7 +234,7 @@ def test_a_backward_that_rejects_the_region_is_undone_at_compile_time(monkeypatc
     inner = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=bw)
     monkeypatch.setattr(backend, "_inner_compile", lambda gm, ex, *a: inner(gm, ex))
     model, ref = _pair()
-    f = torch.compile(loss_fn, backend="tilecompile", options=compile_options(strict=False))
+    f = torch.compile(loss_fn, backend="tilecompile", options=_options(strict=False))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _step(f, model, ref, 9)
@@ -261,7 +266,7 @@ def test_in_place_ops_in_bodies_and_root_survive():
         return m(ids).sum()
 
     ids = torch.randint(0, 50, (2, 9))
-    out = torch.compile(step, backend="tilecompile", options=compile_options())(model, ids)
+    out = torch.compile(step, backend="tilecompile", options=_options())(model, ids)
     expected = step(ref, ids)
     out.backward()
     expected.backward()
@@ -279,7 +284,7 @@ def test_nested_checkpoints_are_left_with_a_reason():
         return torch.utils.checkpoint.checkpoint(loss_fn, m, ids, w, use_reentrant=False)
 
     ids, w = torch.randint(0, 50, (2, 9)), torch.rand(2, 8, dtype=torch.float64)
-    out = torch.compile(outer, backend="tilecompile", options=compile_options())(model, ids, w)
+    out = torch.compile(outer, backend="tilecompile", options=_options())(model, ids, w)
     assert_close(out, loss_fn(ref, ids, w), rtol=1e-10, atol=1e-12, name="loss")
     rep = tilecompile.report()
     assert rep.counts["layer_regions"] == 0
@@ -303,7 +308,7 @@ def test_a_graph_with_a_tensor_subclass_input_is_left_with_a_reason():
             return x
 
     model, x = Layers(), torch.randn(3, 4)
-    out = torch.compile(model, backend="tilecompile", options=compile_options())(x)
+    out = torch.compile(model, backend="tilecompile", options=_options())(x)
     assert_close(out, model(x), rtol=1e-6, atol=1e-6, name="out")
     rep = tilecompile.report()
     assert rep.counts["layer_regions"] == 0
@@ -314,7 +319,28 @@ def test_a_graph_with_a_tensor_subclass_input_is_left_with_a_reason():
 def test_inductor_compiles_the_region_under_dynamic_shapes():
     """Through Inductor's CPU backend: the region's sizes are bound by the symbol passed beside its inputs."""
     model, ref = _pair()
-    f = torch.compile(loss_fn, backend="tilecompile", dynamic=True, options=compile_options(inner="inductor"))
+    f = torch.compile(loss_fn, backend="tilecompile", dynamic=True, options=_options(inner="inductor"))
     for n in (9, 13):
         _step(f, model, ref, n)
     assert tilecompile.report().counts["layer_regions"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known: wrong gradients through Inductor with regions (why the pass is off)")
+def test_inductor_hf_step_whose_logits_feed_a_second_term():
+    """Why ``layer_regions`` is off by default: an HF Qwen2 step whose logits also feed a second loss term (the lm_head
+    stays a matmul) gets the attention weights' gradients wrong through Inductor's CPU backend with the regions on
+    (about 5e-2 against eager; right with them off, and right through aot_eager). The GRPO step of benchmarks/e2e.py
+    is right. Not understood yet; a strict xfail, so a fix shows."""
+    import copy
+
+    from test_pass_attention import make_model, step
+
+    model = make_model("qwen2", checkpointing=True)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 24))
+    loss = torch.compile(step, backend="tilecompile", options=_options(inner="inductor"))(model, ids)
+    loss.backward()
+    step(ref, ids).backward()
+    assert tilecompile.report().counts["layer_regions"] == 2
+    assert_grads_close(model, ref, rtol=1e-4, atol=1e-6)

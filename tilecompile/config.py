@@ -32,7 +32,8 @@ _SPECS: dict[str, _Spec] = {
     "attention": _Spec(bool, True, "SDPA fed an [N, N] mask built from positions -> is_causal / masked attention"),
     "fused_linear_ce": _Spec(bool, True, "lm_head -> log-prob / entropy / cross-entropy -> one fused op"),
     "tiled_mlp": _Spec(bool, True, "gated MLPs -> sequence-chunked recompute regions"),
-    "layer_regions": _Spec(bool, True, "checkpointed layers with identical bodies -> one region, compiled once"),
+    # off by default: through Inductor some steps get wrong gradients with it (tests/test_layer_regions.py)
+    "layer_regions": _Spec(bool, False, "checkpointed layers with identical bodies -> one region, compiled once"),
     # safety: a failing rewrite raises instead of being undone with a warning
     "strict": _Spec(bool, False, "raise when a pass fails instead of undoing it with a warning"),
     # the compiler the rewritten graph is handed to
