@@ -53,36 +53,31 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _checkpoint_op()]
     if not sites:
         return result
+    for site in sites:
+        result.consider(site, _candidate(site))
     if ctx.graph_name != "<root>":  # the backend's undo restores the root graph only
-        for site in sites:
-            result.consider(site, f"checkpointed region {site.name}")
-            reason = "inside another higher-order op's body: regions are made in the root graph only"
-            result.skip(site, R.Skip(NAME, f"checkpointed region {site.name}", _where(gm, site), reason))
+        _skip(result, gm, sites, "inside another higher-order op's body: regions are made in the root graph only")
         return result
     subclass = _subclass_input(gm)
     if subclass:  # AOTAutograd traces such a graph through the subclass, which invoke_subgraph has no rule for
-        for site in sites:
-            result.consider(site, f"checkpointed region {site.name}")
-            reason = f"the graph takes a tensor subclass ({subclass}): AOTAutograd cannot trace a region through it"
-            result.skip(site, R.Skip(NAME, f"checkpointed region {site.name}", _where(gm, site), reason))
+        reason = f"the graph takes a tensor subclass ({subclass}): AOTAutograd cannot trace a region through it"
+        _skip(result, gm, sites, reason)
         return result
     groups: dict[str, list[fx.Node]] = {}
     for site in sites:
-        result.consider(site, f"checkpointed region {site.name}")
         key, reason = _key(gm, site)
         if reason:
-            result.skip(site, R.Skip(NAME, f"checkpointed region {site.name}", _where(gm, site), reason))
+            _skip(result, gm, [site], reason)
         else:
             groups.setdefault(key, []).append(site)
     binders = _symbol_binders(gm)
     shared = []
     for group in groups.values():
         reason = _check_group(group, binders)
-        if not reason:
+        if reason:
+            _skip(result, gm, group, reason)
+        else:
             shared.append(group)
-            continue
-        for site in group:
-            result.skip(site, R.Skip(NAME, f"checkpointed region {site.name}", _where(gm, site), reason))
     if not shared:
         return result
     gm.meta.setdefault(_FLAT, snapshot_graph(gm.graph))  # the first flat graph: a second run must undo to it
@@ -95,6 +90,15 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for ref in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:  # the shared sites' old bodies
         gm.graph.erase_node(ref)
     return result
+
+
+def _candidate(site: fx.Node) -> str:
+    return f"checkpointed region {site.name}"
+
+
+def _skip(result: PassResult, gm: fx.GraphModule, sites: list[fx.Node], reason: str) -> None:
+    for site in sites:
+        result.skip(site, R.Skip(NAME, _candidate(site), _where(gm, site), reason))
 
 
 def undo(gm: fx.GraphModule) -> bool:
@@ -150,7 +154,7 @@ def _key(gm: fx.GraphModule, site: fx.Node) -> tuple[str, str]:
     for i, node in enumerate(body.graph.nodes):
         index[node] = i
         if node.op == "placeholder":
-            parts.append(("in", _describe(node.meta.get("example_value"))))
+            parts.append(("in", _describe(G.example_value(node))))
         elif node.op in ("get_attr", "call_module"):
             return "", f"its body reads a module attribute ({node.target}): not compared"
         elif _reads_value(node):
@@ -198,7 +202,7 @@ def _symbol_binders(gm: fx.GraphModule) -> dict[Any, fx.Node]:
     """symbol -> the placeholder of ``gm`` that is that symbol (a SymInt input whose expression is one symbol)."""
     binders: dict[Any, fx.Node] = {}
     for node in gm.graph.nodes:
-        value = node.meta.get("example_value") if node.op == "placeholder" else None
+        value = G.example_value(node) if node.op == "placeholder" else None
         if isinstance(value, torch.SymInt) and value.node.expr.is_Symbol:
             binders.setdefault(value.node.expr, node)
     return binders
@@ -236,16 +240,19 @@ def _check_group(group: list[fx.Node], binders: dict[Any, fx.Node]) -> str:
     unbound = [s for s in _needed_symbols(group) if s not in binders]
     if unbound:
         return f"symbolic sizes {sorted(map(str, unbound))} have no input of their own to bind them in the region"
-    body = _body(group[0])
-    out = next(n for n in body.graph.nodes if n.op == "output").args[0]
-    outs = out if isinstance(out, tuple | list) else (out,)
-    if any(isinstance(o, fx.Node) and o.op == "placeholder" for o in outs):
+    if any(isinstance(o, fx.Node) and o.op == "placeholder" for o in _outputs(_body(group[0]))[0]):
         return "the body returns one of its inputs (a region's outputs must be new tensors)"
     return ""
 
 
 def _body(site: fx.Node) -> fx.GraphModule:
     return site.graph.owning_module.get_submodule(site.args[0].target)
+
+
+def _outputs(body: fx.GraphModule) -> tuple[tuple, bool]:
+    """(what ``body`` returns, as a tuple; whether it returns one value rather than a tuple or list)."""
+    out = body.graph.output_node().args[0]
+    return (tuple(out), False) if isinstance(out, tuple | list) else ((out,), True)
 
 
 def _pruned(body: fx.GraphModule) -> tuple[fx.GraphModule, list[int]]:
@@ -275,12 +282,11 @@ def _share(gm: fx.GraphModule, group: list[fx.Node], binders: dict[Any, fx.Node]
     root = torch.nn.Module()
     root.body = body
     call = graph.call_function(_checkpoint_op(), (graph.get_attr("body"), *inputs), dict(first.kwargs))
-    out = next(n for n in body.graph.nodes if n.op == "output").args[0]
-    single = not isinstance(out, tuple | list)
+    outs, single = _outputs(body)
     if single:
         graph.output((call,))
     else:
-        graph.output(tuple(graph.call_function(operator.getitem, (call, i)) for i in range(len(out))))
+        graph.output(tuple(graph.call_function(operator.getitem, (call, i)) for i in range(len(outs))))
     region = fx.GraphModule(root, graph, class_name="LayerRegion")
     region.meta[_REGION] = True
     name = f"tilecompile_layers_{next(_names)}"
