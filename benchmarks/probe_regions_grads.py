@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
 import time
 import warnings
 
 import torch
+from e2e import build, grpo_step, inputs
 
 import tilecompile
-from e2e import build, grpo_step, inputs
 
 VARIANTS = {
     "eager": None,
@@ -83,7 +84,7 @@ def main() -> None:
     batch = inputs(args.n, model.config.vocab_size, 0, device, args.rows, args.mask)
 
     reference = copy.deepcopy(model).float()
-    _, ref_loss = step_once(reference, lambda *a: grpo_step(reference, *a), batch)
+    _, ref_loss = step_once(reference, functools.partial(grpo_step, reference), batch)
     ref = {k: v.detach().clone() for k, v in grads(reference).items()}
     del reference
     if device.type == "cuda":
@@ -109,7 +110,8 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         times = [step_once(model, step, batch)[0] for _ in range(args.repeats)]
         report = tilecompile.report()
-        row.update(step_s=round(statistics.median(times), 4), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else "",
+        peak = round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else ""
+        row.update(step_s=round(statistics.median(times), 4), peak_gib=peak,
                    rewrites=" ".join(f"{k}={v}" for k, v in report.counts.items() if v) if options else "",
                    warnings=sorted({f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught}))  # fmt: skip
         print(json.dumps(row), flush=True)

@@ -47,7 +47,7 @@ def assert_matches_eager(stdout: str) -> None:
 def test_grpo_step_runs_on_cpu(packed):
     """Compiled twice (no-grad old log-probs, then the loss): 2 layers' attention and MLPs, one lm_head each."""
     out = run_example("grpo_step.py", "--inner", "aot_eager", "--packed", packed)
-    expected = dict(tensor_parallel=0, attention=4, fused_linear_ce=2, tiled_mlp=4, layer_regions=0)
+    expected = dict(tensor_parallel=0, attention=4, fused_linear_ce=2, tiled_mlp=4, layer_regions=2)
     assert counts(out.stdout) == expected, out.stdout
     assert ("masked_attention" if packed != "0" else "is_causal=True") in out.stdout, out.stdout
     assert "log-prob, entropy" in out.stdout, out.stdout
@@ -58,7 +58,7 @@ def test_grpo_step_runs_on_cpu(packed):
 def test_sft_long_context_runs_on_cpu():
     """HF's own cross-entropy (labels=) is fused; the packed documents' mask becomes masked attention."""
     out = run_example("sft_long_context.py", "--inner", "aot_eager")
-    expected = dict(tensor_parallel=0, attention=2, fused_linear_ce=1, tiled_mlp=2, layer_regions=0)
+    expected = dict(tensor_parallel=0, attention=2, fused_linear_ce=1, tiled_mlp=2, layer_regions=2)
     assert counts(out.stdout) == expected, out.stdout
     assert "masked_attention" in out.stdout and "cross_entropy mean" in out.stdout, out.stdout
     assert_matches_eager(out.stdout)

@@ -60,7 +60,7 @@ def loss_fn(model, ids, weights):
 
 
 def _options(**overrides) -> dict:
-    """The tests' compile options with the regions on (they are off by default)."""
+    """The tests' compile options with the regions on, whatever TILECOMPILE_LAYER_REGIONS says."""
     return compile_options(**{"layer_regions": True, **overrides})
 
 
@@ -325,9 +325,9 @@ def test_inductor_compiles_the_region_under_dynamic_shapes():
     assert tilecompile.report().counts["layer_regions"] == 3
 
 
-def _hf_step_grads(**options) -> None:
+def _hf_step_grads(regions: int = 2, **options) -> None:
     """An HF Qwen2 step whose logits also feed a second loss term (the lm_head stays a matmul), through Inductor's
-    CPU backend with the regions: loss and every gradient against eager."""
+    CPU backend with the regions (``regions`` of them left in the report): loss and every gradient against eager."""
     import copy
 
     from test_pass_attention import make_model, step
@@ -339,7 +339,7 @@ def _hf_step_grads(**options) -> None:
     loss.backward()
     expected = step(ref, ids)
     expected.backward()
-    assert tilecompile.report().counts["layer_regions"] == 2
+    assert tilecompile.report().counts["layer_regions"] == regions
     assert_close(loss, expected, rtol=1e-5, atol=1e-6, name="loss")
     assert_grads_close(model, ref, rtol=1e-4, atol=1e-6)
 
@@ -347,8 +347,11 @@ def _hf_step_grads(**options) -> None:
 def test_inductor_settings_for_regions():
     settings = tilecompile.config.load({"inner": "inductor"})
     assert backend.region_workarounds(settings, {}) == {"reorder_for_peak_memory": False}
-    assert backend.region_workarounds(settings, {"reorder_for_peak_memory": True}) == {"reorder_for_peak_memory": True}
+    off = {"reorder_for_peak_memory": False}
+    assert backend.region_workarounds(settings, off) == off
     assert backend.region_workarounds(tilecompile.config.load({"inner": "aot_eager"}), {}) == {}
+    assert backend.region_conflict(settings, {"reorder_for_peak_memory": False}) is None
+    assert "reorder_for_peak_memory" in backend.region_conflict(settings, {"reorder_for_peak_memory": True})
 
 
 @pytest.mark.slow
@@ -358,8 +361,20 @@ def test_inductor_hf_step_whose_logits_feed_a_second_term():
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="Inductor's reorder_for_peak_memory around invoke_subgraph (torch 2.13)")
-def test_inductor_reordering_for_peak_memory_breaks_the_regions():
+def test_inductor_reordering_for_peak_memory_breaks_the_regions(monkeypatch):
     """Why the backend turns ``reorder_for_peak_memory`` off for graphs with regions: with it on, the step above gets
     its attention weights' gradients wrong (cosine 0.5 against eager). A strict xfail: when torch fixes it, this
     passes, fails the suite, and the workaround can go."""
+    monkeypatch.setattr(backend, "region_conflict", lambda settings, options: None)  # compile the regions anyway
     _hf_step_grads(reorder_for_peak_memory=True)
+
+
+@pytest.mark.slow
+def test_inductor_reordering_asked_for_compiles_the_layers_one_by_one():
+    """A user who asks Inductor for ``reorder_for_peak_memory`` gets the flat graph (right gradients), and the report
+    says why the regions went."""
+    _hf_step_grads(regions=0, reorder_for_peak_memory=True)
+    report = tilecompile.report()
+    skipped = [s for s in report.skipped if s.pass_name == "layer_regions"]
+    assert len(skipped) == 2 and all("reorder_for_peak_memory" in s.reason for s in skipped), report
+    assert not report.failures, report

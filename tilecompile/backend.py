@@ -371,6 +371,10 @@ def _compile(
     Strict mode raises instead. Dynamo's restarts and running out of memory pass through."""
     if not layer_regions.made(gm):
         return _inner_compile(gm, example_inputs, settings.inner, mode, options)
+    if conflict := region_conflict(settings, options):
+        layer_regions.undo(gm)
+        R.decline(layer_regions.NAME, graph_name, "checkpointed layer", conflict)
+        return _inner_compile(gm, example_inputs, settings.inner, mode, options)
     try:
         with _backward_lowered_at_once():
             compiled = _inner_compile(gm, example_inputs, settings.inner, mode, region_workarounds(settings, options))
@@ -395,16 +399,24 @@ def _compile(
 
 
 def region_workarounds(settings: config.Settings, options: dict[str, Any]) -> dict[str, Any]:
-    """Inductor settings a graph with shared layer regions needs, unless the user set them.
+    """Inductor settings a graph with shared layer regions needs: ``reorder_for_peak_memory`` off.
 
-    Inductor's reordering for peak memory (``reorder_for_peak_memory``) gets gradients wrong around invoke_subgraph
-    calls: an HF Qwen2 step whose logits also feed a second loss term had its attention weights' gradients off by
-    about 5e-2 (cosine 0.5 against eager) through Inductor's CPU backend, static and dynamic; with this setting off,
-    or without the regions, they match to 3e-8 (torch 2.13; tests/test_layer_regions.py). The same scheduler pass
-    runs for CUDA."""
+    Inductor's reordering for peak memory gets gradients wrong around invoke_subgraph calls. Through Inductor's CPU
+    backend (torch 2.13), an HF Qwen2 step whose logits also feed a second loss term had its attention weights'
+    gradients off by about 5e-2 (cosine 0.5 against eager), static and dynamic (tests/test_layer_regions.py). On the
+    H200 (torch 2.11), the 28-layer 1.5B step's layer-norm weights were off by up to 0.95 relative (cosine 0.79;
+    benchmarks/probe_regions_grads.py). With the setting off, or without the regions, the gradients match eager's."""
     if settings.inner != "inductor" or "reorder_for_peak_memory" in options:
         return options
     return {**options, "reorder_for_peak_memory": False}
+
+
+def region_conflict(settings: config.Settings, options: dict[str, Any]) -> str | None:
+    """Why a graph's layer regions must be undone before its compile, or None: the user asked Inductor for
+    ``reorder_for_peak_memory`` (see ``region_workarounds``), so the layers are compiled one by one instead."""
+    if settings.inner == "inductor" and options.get("reorder_for_peak_memory"):
+        return "reorder_for_peak_memory=True was asked for; Inductor's reordering gets gradients wrong around regions"
+    return None
 
 
 def _backward_lowered_at_once():

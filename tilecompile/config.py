@@ -32,9 +32,9 @@ _SPECS: dict[str, _Spec] = {
     "attention": _Spec(bool, True, "SDPA fed an [N, N] mask built from positions -> is_causal / masked attention"),
     "fused_linear_ce": _Spec(bool, True, "lm_head -> log-prob / entropy / cross-entropy -> one fused op"),
     "tiled_mlp": _Spec(bool, True, "gated MLPs -> sequence-chunked recompute regions"),
-    # off by default until its gradients are checked on the GPU: through Inductor's CPU backend it needed
-    # reorder_for_peak_memory off (backend.region_workarounds) to get them right
-    "layer_regions": _Spec(bool, False, "checkpointed layers with identical bodies -> one region, compiled once"),
+    # needs Inductor's reorder_for_peak_memory off to get the gradients right, on CPU and CUDA
+    # (backend.region_workarounds; benchmarks/probe_regions_grads.py measured it on the H200)
+    "layer_regions": _Spec(bool, True, "checkpointed layers with identical bodies -> one region, compiled once"),
     # safety: a failing rewrite raises instead of being undone with a warning
     "strict": _Spec(bool, False, "raise when a pass fails instead of undoing it with a warning"),
     # the compiler the rewritten graph is handed to

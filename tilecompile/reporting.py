@@ -136,6 +136,15 @@ def withdraw(pass_name: str, graph: str, reason: str) -> None:
         _current.failures.append(Failure(pass_name, graph, reason))
 
 
+def decline(pass_name: str, graph: str, candidate: str, reason: str) -> None:
+    """Turns the rewrites ``pass_name`` made in ``graph`` into skips with ``reason``: undone before the compile by a
+    choice (a setting that rules them out), not a failure."""
+    with _lock:
+        mine = [r for r in _current.rewrites if r.pass_name == pass_name and r.graph == graph]
+        _current.rewrites[:] = [r for r in _current.rewrites if not any(r is m for m in mine)]
+        _current.skipped.extend(Skip(pass_name, candidate, r.module_path, reason) for r in mine)
+
+
 @contextlib.contextmanager
 def discarded_on(exc_type: type[BaseException]):
     """Records made inside the block are dropped again if it raises ``exc_type`` (Dynamo restarting its analysis:
