@@ -1,13 +1,15 @@
 """Plot benchmarks/e2e.py's CSV: peak memory and tokens/s against sequence length, one line per method.
 
 One row of panels per model (and per static/dynamic compile, and per batch layout, when the CSV has several), log
-axes; a batch layout measured at one length only is left to the table (a panel of one dot says nothing); colour
-is the method, a solid line has activation checkpointing on, a dashed one off. A line ends at the method's longest
-sequence; the legend gives that length and what stopped it (OOM or an error), or that nothing did. The title
-carries the GPUs, versions and dates from the CSV. The CSV is read as e2e.py appends it: where a (model, method,
-checkpointing, dynamic, rows, mask, packed, seq_len) was measured more than once (with the same tiny, layers and
-env: a cut model or a flag's run is another measurement), the latest date's row counts; older rows' missing columns
-read as their defaults.
+axes; a batch layout measured at one length only is left to the table (a panel of one dot says nothing); colour is
+the method, a solid line has activation checkpointing on, a dashed one off; a run with flags (``--env``) is a line
+of its own, with hollow markers. A line ends at the method's longest sequence; the legend gives that length and what
+stopped it (OOM or an error), or that nothing did. The title carries the GPUs, versions and dates from the CSV. The
+CSV is read as e2e.py appends it: where a (model, method, checkpointing, dynamic, rows, mask, packed, seq_len) was
+measured more than once (with the same tiny, layers and env: a cut model or a flag's run is another measurement),
+the latest date's row counts; older rows' missing columns read as their defaults. A row whose note starts with
+``withdrawn:`` (a measurement found wrong after the fact: the note says why) stays in the CSV and is left out of the
+plot and the table.
 
 ``--table`` prints the README's Markdown instead: a line per (model, method, checkpointing, compile, batch, length)
 with tokens/s, peak GiB, TFLOP/s, MFU %, first step s, compiles and note (the env flags first); padded batches
@@ -28,6 +30,7 @@ COLORS = {"eager": "tab:gray", "inductor": "tab:blue", "liger": "tab:orange", "t
 MARKERS = {"eager": dict(marker="s", markersize=9, fillstyle="none"), "inductor": dict(marker="^"),
            "liger": dict(marker="D", markersize=5), "tilecompile": dict(marker="o")}  # fmt: skip
 KEY = ("model", "tiny", "layers", "env", "method", "checkpointing", "dynamic", "rows", "mask", "packed", "seq_len")
+WITHDRAWN = "withdrawn:"  # a note's prefix: the row is kept in the CSV, out of the plot and the table
 DEFAULTS = {"rows": "1", "packed": "0", "dynamic": "0"}  # what older CSVs without these columns measured
 COLUMNS = ("model", "method", "ckpt", "compile", "batch", "length", "tokens/s", "peak GiB", "TFLOP/s", "MFU %",
            "first step s", "compiles", "note")  # fmt: skip
@@ -42,10 +45,13 @@ def _float(x: str) -> float | None:
 
 
 def latest(rows: list[dict]) -> list[dict]:
-    """One row per ``KEY``: the latest date's (the later in the file on a tie); every cell a string, '' if missing."""
+    """One row per ``KEY``: the latest date's (the later in the file on a tie), withdrawn rows left out; every cell a
+    string, '' if missing."""
     best = {}
     for r in rows:
         r = {k: v or "" for k, v in r.items() if k}
+        if r.get("note", "").startswith(WITHDRAWN):
+            continue
         r.update({k: r.get(k) or v for k, v in DEFAULTS.items()})
         key = tuple(r.get(k, "") for k in KEY)
         if key not in best or r.get("date", "") >= best[key].get("date", ""):
@@ -147,17 +153,19 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
         compile_kind = "one dynamic compile" if dynamic == "1" else "static compile per length"
         shape = SHAPES.get(model, model) if first.get("tiny") != "1" else f"tiny stand-in for {model}"
         title = f"{shape} ({depth}), {compile_kind}" + ("" if layout == "one row" else f", {layout}")
-        lines = sorted({(r["method"], r["checkpointing"]) for r in mine}, key=lambda k: (_rank(k[0], COLORS), k[1]))
-        for method, ckpt in lines:
-            runs = sorted((r for r in mine if (r["method"], r["checkpointing"]) == (method, ckpt)),
-                          key=lambda r: int(r["seq_len"] or 0))  # fmt: skip
+        line = lambda r: (r["method"], r["checkpointing"], r.get("env", ""))  # noqa: E731
+        lines = sorted({line(r) for r in mine}, key=lambda k: (_rank(k[0], COLORS), k[1], k[2]))
+        for method, ckpt, env in lines:
+            runs = sorted((r for r in mine if line(r) == (method, ckpt, env)), key=lambda r: int(r["seq_len"] or 0))
             ok = [r for r in runs if r["ok"] == "1"]
             stop = next((r["error"] for r in runs if r["ok"] != "1"), "")
             longest = _tokens(max(int(r["seq_len"]) for r in ok)) if ok else "none"
             reach = f"longest {longest}, then {stop[:20]}" if stop else f"measured up to {longest}"  # no limit seen
-            label = f"{method}, ckpt {'on' if ckpt == '1' else 'off'} ({reach})"
+            label = f"{method}{' ' + env if env else ''}, ckpt {'on' if ckpt == '1' else 'off'} ({reach})"
             style = dict(color=COLORS.get(method), linestyle="-" if ckpt == "1" else "--", label=label,
                          **MARKERS.get(method, dict(marker="o")))  # fmt: skip
+            if env:  # a flag's run: the method's colour, hollow markers and a thinner line
+                style.update(fillstyle="none", linewidth=1, markersize=8)
             xs = [int(r["seq_len"]) for r in ok]
             mem = [_float(r["peak_gib"]) for r in ok]
             if any(m is not None for m in mem):

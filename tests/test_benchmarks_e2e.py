@@ -151,6 +151,7 @@ def test_table():
         _row(date="2026-12-05 09:30 UTC", env="TILECOMPILE_ATTENTION=0", tok_s="9000.0"),  # a flag's run: its own
         _row(date="2026-12-04 08:00 UTC", method="eager", **oom),
         _row(date="2026-12-05 10:00 UTC", rows="8", mask="trl", seq_len="4096", tok_s="38903.1", dynamic="1"),
+        _row(date="2026-12-06 10:00 UTC", tok_s="1.0", note="withdrawn: its gradients were wrong"),  # left out
     ]
     latest = plot_e2e.latest(rows)
     assert len(latest) == 4  # the older row of the same measurement is replaced by the later one
