@@ -209,3 +209,26 @@ def test_dead_code_elimination_keeps_calls_made_for_their_side_effects():
     G.eliminate_dead_code(g)
     nodes = list(g.nodes)
     assert kernel in nodes and unused not in nodes
+
+
+def test_hint_of_a_symbolic_size_on_either_torch(monkeypatch):
+    """``G.hint`` reads a symbolic size's hint through torch 2.13's ``optimization_hint``, or torch 2.11's
+    ``hint_int``, whose FutureWarning on every call is kept from the user."""
+    import warnings
+
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental import symbolic_shapes as S
+
+    env = S.ShapeEnv()
+    s = env.create_symintnode(env.create_symbol(7, ConstantSource("s"), dynamic_dim=S.DimDynamic.DYNAMIC), hint=7)
+    assert (G.hint(3), G.hint(s), G.hint(2 * s + 1)) == (3, 7, 15)
+
+    def old_hint_int(size):
+        warnings.warn("used size_hint instead of hint_int", FutureWarning, stacklevel=2)
+        return 7 if size is s else -1
+
+    monkeypatch.delattr(S, "optimization_hint", raising=False)
+    monkeypatch.setattr(S, "hint_int", old_hint_int, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert G.hint(s) == 7

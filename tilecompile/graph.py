@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -151,10 +152,14 @@ def hint(size: Any) -> int | None:
         return size
     from torch.fx.experimental import symbolic_shapes
 
-    # hint_int was renamed optimization_hint (torch 2.13); use whichever this torch has
-    get = getattr(symbolic_shapes, "hint_int", None) or getattr(symbolic_shapes, "optimization_hint", None)
+    # hint_int was renamed optimization_hint (torch 2.13); torch 2.11's hint_int warns (FutureWarning) on each call
+    get = getattr(symbolic_shapes, "optimization_hint", None)
     try:
-        return int(get(size))
+        if get is not None:
+            return int(get(size))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return int(symbolic_shapes.hint_int(size))
     except Exception:
         return None
 
