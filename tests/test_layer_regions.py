@@ -378,3 +378,16 @@ def test_inductor_reordering_asked_for_compiles_the_layers_one_by_one():
     skipped = [s for s in report.skipped if s.pass_name == "layer_regions"]
     assert len(skipped) == 2 and all("reorder_for_peak_memory" in s.reason for s in skipped), report
     assert not report.failures, report
+
+
+@pytest.mark.slow
+def test_inductor_collator_batch_under_bf16_autocast():
+    """The trainers' default: fp32 weights under bf16 autocast, a padded collator batch (``attention_mask``), through
+    Inductor's CPU backend with the regions: loss and every gradient as eager's under the same autocast."""
+    from test_pass_attention import compare, make_model, padding_mask
+
+    model = make_model("qwen2", checkpointing=True)
+    ids = torch.randint(0, 97, (2, 24))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = compare(model, ids, _options(inner="inductor"), tol=(2e-2, 5e-2), attention_mask=padding_mask(2, 24))
+    assert report.counts["layer_regions"] == 2 and report.counts["attention"] == 2 and not report.failures, report

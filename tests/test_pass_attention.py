@@ -208,6 +208,7 @@ def test_bf16_autocast_over_fp32_weights(checkpointing):
         report = compare(model, ids, tol=(2e-2, 5e-2), attention_mask=padding_mask(2, 24))  # bf16 roundings
     assert report.counts["attention"] == 2 and not report.failures, report
     assert all("key valid in" in d for d in _details(report)), _details(report)
+    assert report.counts["layer_regions"] == (2 if checkpointing else 0), report  # the layers shared under autocast
 
 
 # ---------------------------------------------------------------------------------- hand-written masks
