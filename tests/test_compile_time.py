@@ -30,11 +30,23 @@ class Block(torch.nn.Module):
         return x + self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class LoraBlock(Block):
+    """``Block`` plus a LoRA adapter beside it, scaled as PEFT's ``lora.Linear`` does: from a dict per adapter."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__(d)
+        self.lora_a, self.lora_b = torch.nn.Linear(d, 4, bias=False), torch.nn.Linear(4, d, bias=False)
+        self.lora_scaling = {"default": 2.0}
+
+    def forward(self, x):
+        return super().forward(x) + self.lora_b(self.lora_a(x)) * self.lora_scaling["default"]
+
+
 class Model(torch.nn.Module):
-    def __init__(self, vocab: int = 50, d: int = 16) -> None:
+    def __init__(self, vocab: int = 50, d: int = 16, block=Block) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, d)
-        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(2))
+        self.blocks = torch.nn.ModuleList(block(d) for _ in range(2))
 
     def forward(self, ids):
         x = self.embed(ids)
@@ -102,6 +114,35 @@ def test_specialized_floats_keep_their_guards(monkeypatch):
     specialized.clear()
     f(ids, 0.5)
     assert len(specialized) == 7, specialized
+
+
+def test_floats_in_a_module_dict_are_specialized_too(monkeypatch):
+    """PEFT keeps each LoRA layer's scale in a dict per adapter (``scaling['default']``). Under dynamic=True it is a
+    constant guarded on its value, as a module's float attribute is: the checkpointed layers still share one region
+    (a float left symbolic is read by ``.item()`` in each body, which keeps them apart), and a changed value
+    recompiles and computes with it."""
+    specialized = []
+    spec = backend.specialize_module_floats
+    monkeypatch.setattr(backend, "specialize_module_floats", lambda gm: specialized.extend(spec(gm)) or [])
+    torch.manual_seed(0)
+    model, ref = Model(block=LoraBlock), Model(block=LoraBlock)
+    ref.load_state_dict(model.state_dict())
+    f = torch.compile(model, backend="tilecompile", dynamic=True, options=compile_options(layer_regions=True))
+    ids = torch.randint(0, 50, (2, 9))
+    out, expected = f(ids), ref(ids)
+    out.backward()
+    expected.backward()
+    assert_close(out, expected, rtol=1e-5, atol=1e-6, name="loss")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, name=f"grad of {name}")
+    assert len(specialized) == 9, specialized  # norm_type, each layer's eps, scale, dropout_p and LoRA scale
+    rep = tilecompile.report()
+    assert rep.counts["layer_regions"] == 2, rep
+    frames = counters["frames"]["ok"]
+    for scaled in (*model.blocks, *ref.blocks):
+        scaled.lora_scaling["default"] = 0.5
+    assert_close(f(ids), ref(ids), rtol=1e-5, atol=1e-6, name="loss at another LoRA scale")
+    assert counters["frames"]["ok"] == frames + 1, "the LoRA scale's guard is lost"
 
 
 def test_automatic_dynamic_floats_stay_symbolic():

@@ -175,6 +175,9 @@ def test_module_path():
     assert G.clean_path("L['self']._modules['model']._modules['layers']['3'].mlp") == "model.layers.3.mlp"
     # Hugging Face 5.x wraps forward in a *args decorator: the root is L['args'][0]
     assert G.clean_path("L['args'][0].model.layers[1].mlp") == "model.layers.1.mlp"
+    # PEFT's PeftModel and LoraModel reach their submodules through __dict__['_modules']
+    peft = "L['m'].__dict__['_modules']['base_model'].__dict__['_modules']['model']._modules['model']"
+    assert G.clean_path(peft + "._modules['layers']._modules['1'].mlp") == "base_model.model.model.layers.1.mlp"
 
 
 def test_dead_code_elimination_keeps_calls_made_for_their_side_effects():

@@ -187,8 +187,8 @@ def _float_placeholders(gm: fx.GraphModule):
 
 
 def specialize_module_floats(gm: fx.GraphModule) -> list[str]:
-    """Under ``dynamic=True``, replace each float attribute of an ``nn.Module`` by its value, guarded; returns the
-    symbols specialized.
+    """Under ``dynamic=True``, replace each float attribute of an ``nn.Module`` (or an item of one, as
+    ``_is_module_attribute`` reads it) by its value, guarded; returns the symbols specialized.
 
     Such a float (an RMSNorm's eps, attention's ``scaling``, RoPE's ``attention_scaling``) enters the Dynamo graph
     as a 0-d float64 CPU tensor placeholder read by ``.item()``. AOTAutograd turns the tensor math on it into ops
@@ -235,7 +235,11 @@ def specialize_module_floats(gm: fx.GraphModule) -> list[str]:
 
 
 def _is_module_attribute(source: Any) -> bool:
-    """``source`` reads an attribute of an ``nn.Module`` (Dynamo's guard source of a module, FSDP's included)."""
+    """``source`` reads an attribute of an ``nn.Module`` (Dynamo's guard source of a module, FSDP's included), or an
+    item of a dict, list or tuple such an attribute holds (PEFT's LoRA layers keep their ``scaling`` per adapter in
+    a dict: ``lora.Linear.scaling['default']``)."""
+    while type(source).__name__ in ("DictGetItemSource", "GetItemSource"):
+        source = source.base
     if type(source).__name__ != "AttrSource":
         return False
     where = source.guard_source

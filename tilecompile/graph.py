@@ -217,8 +217,11 @@ def common_module_path(nodes: Iterable[fx.Node]) -> str:
 
 
 def clean_path(path: str) -> str:
-    """``L['self'].model.layers[0]`` or ``L['self']._modules['model']`` -> ``model.layers.0``."""
+    """``L['self'].model.layers[0]`` or ``L['self']._modules['model']`` -> ``model.layers.0``; PEFT's models reach
+    their submodules through ``__dict__['_modules']``: ``L['m'].__dict__['_modules']['base_model']`` ->
+    ``base_model``."""
     path = re.sub(r"^L\[['\"][^'\"]*['\"]\](\[\d+\])*\.?", "", path)
+    path = re.sub(r"\.?__dict__\[['\"]_modules['\"]\]", "._modules", path)
     path = path.replace("._modules", "").replace("_modules", "")
     path = _BRACKET.sub(r".\1", path)
     return re.sub(r"\.+", ".", path).strip(".")
