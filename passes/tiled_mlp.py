@@ -21,8 +21,8 @@ Qwen3-MoE, ...) or as batched matmuls of per-row gathered weights (HF's ``batche
 gives each a reason.
 
 Not matched (left to Inductor): GELU spelled out as tanh arithmetic (HF ``gelu_new``), LoRA-style adapters added
-to a projection, dropout inside the MLP, expert weights indexed out of a stacked parameter one expert at a time
-(HF's per-expert loop: the gate/up weight is computed in the graph, a reason).
+to a projection (a reason that names the adapter), dropout inside the MLP, expert weights indexed out of a stacked
+parameter one expert at a time (HF's per-expert loop: the gate/up weight is computed in the graph, a reason).
 """
 
 from __future__ import annotations
@@ -137,15 +137,38 @@ def match(node: fx.Node) -> GatedMLP | str | None:
             continue
         gate, up = as_projection(act.input), as_projection(other)
         if gate is None:
-            reasons.append(f"the activation's input {act.input.name} is not a linear (gate projection)")
+            reasons.append(_adapted(act.input, "gate") or f"the activation's input {act.input.name} is not a linear "
+                           "(gate projection)")  # fmt: skip
         elif up is None:
-            reasons.append(f"the factor {other.name} beside {act.kind}(gate) is not a linear (up projection)")
+            reasons.append(_adapted(other, "up") or f"the factor {other.name} beside {act.kind}(gate) is not a linear "
+                           "(up projection)")  # fmt: skip
         else:
             return GatedMLP(down, h, act, gate, up, _region(node, down, gate, up))
     if reasons:
         return reasons[0]
     kinds = ", ".join(str(G.op(t) or t.op) for t in (a, b))
     return f"gate multiply of ({kinds}): neither factor is {'/'.join(ACTIVATIONS)} of a linear"
+
+
+def _adapted(node: fx.Node, role: str) -> str | None:
+    """The reason when ``node`` is a projection plus a low-rank adapter, ``linear(x) + linear(linear(x)) [* s]``
+    (PEFT's LoRA: ``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``, then cast back to the base's dtype);
+    None otherwise."""
+    node = G.strip_casts(node)
+    if G.op(node) != "add" or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    for base, extra in (node.args, node.args[::-1]):
+        if G.op(extra) == "mul" and len(extra.args) == 2:  # the scaling: a constant, or a 0-d tensor
+            extra = max((a for a in extra.args if isinstance(a, fx.Node)), key=lambda a: len(G.shape(a) or ()),
+                        default=extra)  # fmt: skip
+        outer = G.as_affine(G.strip_casts(extra))
+        inner = G.as_affine(G.strip_casts(outer.input)) if outer is not None else None
+        if as_projection(G.strip_casts(base)) is not None and inner is not None:
+            return (
+                f"the {role} projection has a low-rank adapter added to it ({node.name} = linear(x) + "
+                "linear(linear(x)) * s: LoRA): the op tiles plain projections only, so this MLP is left as it is"
+            )
+    return None
 
 
 def _bias_added_later(lin: G.Linear) -> bool:

@@ -316,6 +316,7 @@ class NearMiss(torch.nn.Module):
         self.gate_proj = torch.nn.Linear(D, INTER, bias=False)
         self.up_proj = torch.nn.Linear(D, INTER, bias=False)
         self.down_proj = torch.nn.Linear(INTER, D, bias=False)
+        self.lora_a, self.lora_b = torch.nn.Linear(D, 2, bias=False), torch.nn.Linear(2, INTER, bias=False)
 
     def forward(self, x):
         k = self.kind
@@ -336,6 +337,10 @@ class NearMiss(torch.nn.Module):
             return self.down_proj(F.silu(self.gate_proj(x)) * (self.up_proj(x) + 1.0))
         if k == "sigmoid_glu":
             return self.down_proj(torch.sigmoid(self.gate_proj(x)) * self.up_proj(x))
+        if k == "lora_gate":  # PEFT's LoRA: base_layer(x) + lora_B(lora_A(x)) * scaling
+            return self.down_proj(F.silu(self.gate_proj(x) + self.lora_b(self.lora_a(x)) * 2.0) * self.up_proj(x))
+        if k == "lora_up":
+            return self.down_proj(F.silu(self.gate_proj(x)) * (self.up_proj(x) + self.lora_b(self.lora_a(x))))
         raise ValueError(k)
 
 
@@ -347,6 +352,8 @@ NEAR_MISSES = [
     ("weight_computed", "not a graph input"),
     ("sigmoid_glu", "neither factor"),
     ("plus_one", "is not a linear (up projection)"),
+    ("lora_gate", "the gate projection has a low-rank adapter added to it"),
+    ("lora_up", "the up projection has a low-rank adapter added to it"),
 ]
 
 

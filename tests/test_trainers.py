@@ -228,6 +228,85 @@ def test_grpo_trainer(tmp_path, caplog):
         assert_report(graphs, "log-prob, entropy")
 
 
+try:
+    import peft
+except ImportError:  # an optional test dependency, as trl is
+    peft = None
+
+
+@pytest.mark.skipif(trl is None or peft is None, reason="needs trl and peft")
+def test_sft_trainer_lora_with_checkpointing(tmp_path):
+    """TRL's SFTTrainer on a LoRA model (``peft_config``) with gradient checkpointing, fine-tuning's usual setup. HF
+    hooks the frozen input embeddings with ``requires_grad_()`` (``enable_input_require_grads``), which breaks the
+    compiled graph in every step and keeps the lm_head apart from its loss. The checkpointing is non-reentrant, so
+    ``compile_trainer`` removes the hook (and Trainer.train's enable of checkpointing adds none): the lm_head is
+    fused, the logs equal the eager trainer's (which keeps it)."""
+    data = datasets.Dataset.from_dict({"input_ids": token_rows()})
+
+    def run(compiled: bool):
+        args = trl.SFTConfig(**{**common_args(False), "output_dir": str(tmp_path)}, gradient_checkpointing=True)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+        trainer = trl.SFTTrainer(
+            model=qwen2(), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=lora
+        )
+        base = trainer.model.get_base_model()
+        assert base._require_grads_hooks and not base.get_input_embeddings().weight.requires_grad
+        if compiled:
+            compile_trainer(trainer, options=OPTIONS)
+            assert not getattr(base, "_require_grads_hooks", None)
+        trainer.train()
+        return logged(trainer, ("loss", "grad_norm", "entropy"))
+
+    eager = run(False)
+    tilecompile.reset()
+    torch._dynamo.reset()
+    got = run(True)
+    assert_same_logs(got, eager, 1e-5)
+    rep = tilecompile.report()
+    graphs = rep.graphs  # one a length until Dynamo makes the length dynamic; four a length with the hook's break
+    assert graphs <= 2 and rep.counts["fused_linear_ce"] == graphs and rep.counts["attention"] == 2 * graphs, str(rep)
+    mlp = {s.reason for s in rep.skipped if s.pass_name == "tiled_mlp"}
+    assert mlp and all("low-rank adapter" in r for r in mlp), str(rep)
+
+
+@pytest.mark.skipif(peft is None, reason="needs peft")
+def test_lora_model_compiled_by_hand_names_the_hook():
+    """A LoRA model with checkpointing compiled directly: the report's lm_head skip names the hook that broke the
+    graph and what to call; after ``disable_input_require_grads()`` the lm_head is fused, the gradients as eager's."""
+    import copy
+
+    def step(model, ids):
+        logits = model(input_ids=ids, use_cache=False).logits
+        return -torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).mean()
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    model = peft.get_peft_model(qwen2(), lora)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(3, V, (2, 12))
+    torch.compile(step, backend="tilecompile", options=OPTIONS)(model, ids).backward()
+    rep = tilecompile.report()
+    assert rep.counts["fused_linear_ce"] == 0, str(rep)
+    head = [s.reason for s in rep.skipped if s.pass_name == "fused_linear_ce" and s.candidate == "lm_head"]
+    assert head and "model.disable_input_require_grads()" in head[0], str(rep)
+
+    model.disable_input_require_grads()
+    ref = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    tilecompile.reset()
+    torch._dynamo.reset()
+    torch.compile(step, backend="tilecompile", options=OPTIONS)(model, ids).backward()
+    step(ref, ids).backward()
+    rep = tilecompile.report()
+    assert rep.graphs == 1 and rep.counts["fused_linear_ce"] == 1, str(rep)
+    grads = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if p.requires_grad]
+    assert grads
+    for name, got, want in grads:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_refuses_trainer_compile_flag(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, torch_compile=True, report_to=[])
     trainer = transformers.Trainer(model=qwen2(), args=args)

@@ -35,6 +35,32 @@ _FIX_HEAD = (
 )
 
 
+# Hugging Face's ``enable_input_require_grads`` (turned on with activation checkpointing for models fed input_ids)
+# registers a forward hook on the input embeddings that calls ``output.requires_grad_(True)``. With frozen embeddings
+# (PEFT / LoRA, or embeddings frozen by hand) that changes a tensor's requires_grad inside the step, which Dynamo
+# does not trace: it breaks the graph there, in every step (torch 2.13 records "requires_grad_() intermediate leaked
+# as output" or "Unsupported Tensor.requires_grad_() call"), and each frame around the call becomes a graph of its
+# own. The hook exists for reentrant checkpointing; the non-reentrant one (transformers 5's default) needs none.
+_REQUIRES_GRAD_BREAK = "requires_grad_()"
+_FIX_REQUIRES_GRAD = (
+    "Dynamo broke the graph at a requires_grad_() call: Hugging Face's enable_input_require_grads hook on the input "
+    "embeddings does that when they are frozen (PEFT, LoRA); with non-reentrant activation checkpointing it is not "
+    "needed: call model.disable_input_require_grads() after enabling checkpointing (tilecompile.integrations."
+    "compile_trainer does this for Trainer and TRL)"
+)
+
+
+def _fix_head() -> str:
+    """What to do about a graph break between the lm_head and its loss: the specific fix where Dynamo recorded a
+    break this project knows (its counters hold every graph break of the process, by reason), else the general
+    one."""
+    from torch._dynamo.utils import counters
+
+    if any(_REQUIRES_GRAD_BREAK in str(reason) for reason in counters["graph_break"]):
+        return _FIX_REQUIRES_GRAD
+    return _FIX_HEAD
+
+
 def _break_reason(gm: fx.GraphModule) -> str:
     reason = getattr(getattr(gm, "compile_subgraph_reason", None), "reason", None)
     if not reason:
@@ -96,7 +122,7 @@ def notes(gm: fx.GraphModule) -> list[R.Skip]:
         out.append(R.Skip(
             "fused_linear_ce", "lm_head", G.module_path(src),
             f"the logits {list(shape) if shape else ''} leave this graph as an output{_break_reason(gm)}: the "
-            f"log-softmax / loss that reads them is in another graph, so they are built whole; {_FIX_HEAD}",
+            f"log-softmax / loss that reads them is in another graph, so they are built whole; {_fix_head()}",
         ))  # fmt: skip
     for node in gm.graph.nodes:
         if G.op(node) in _SOFTMAX and node.args:
@@ -110,7 +136,7 @@ def notes(gm: fx.GraphModule) -> list[R.Skip]:
             out.append(R.Skip(
                 "fused_linear_ce", f"{G.op(node)} of an input", G.module_path(node),
                 f"its logits {list(G.shape(src))} are an input of this graph (made by an lm_head in an earlier "
-                f"graph, before a graph break), so no lm_head is here to fuse; {_FIX_HEAD}",
+                f"graph, before a graph break), so no lm_head is here to fuse; {_fix_head()}",
             ))  # fmt: skip
         elif node.op == "call_function" and node.target in _SDPA:
             mask = G.arg(node, 3, "attn_mask")

@@ -91,18 +91,47 @@ def _keep_one_input_hook(model: torch.nn.Module) -> None:
     (``enable_input_require_grads``) and its disable removes them only under PEFT; TRL's GRPO disables and re-enables
     checkpointing around each generation, so the hooks pile up (two a step) and the compiled forward's guard on
     their number fails: one more compile every step (transformers 5.17 and 5.24). Here each enable removes the
-    previous hook first, so one stays."""
+    previous hook first, so one stays.
+
+    None stays where no layer checkpoints reentrantly (``_reentrant_checkpointing``): the hook calls
+    ``requires_grad_()`` on the embeddings' output so that reentrant checkpointing sees an input that needs a
+    gradient, which the non-reentrant one (transformers 5's default) does not need. With frozen embeddings (PEFT,
+    LoRA) that call breaks the compiled graph in every step and keeps the lm_head apart from its loss
+    (``tilecompile/graph_breaks.py``); the parameters' gradients are the same without it."""
     enable = getattr(model, "enable_input_require_grads", None)
     disable = getattr(model, "disable_input_require_grads", None)
     if not callable(enable) or not callable(disable):
         return
 
+    def has_hook() -> bool:
+        hooks = getattr(model, "_require_grads_hooks", None)
+        return bool(hooks) or getattr(model, "_require_grads_hook", None) is not None
+
     def enable_once(*args: Any, **kwargs: Any) -> Any:
-        if getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None) is not None:
+        if has_hook():
             disable()
+        if not _reentrant_checkpointing(model):
+            log.info("tilecompile: enable_input_require_grads left off (no layer checkpoints reentrantly)")
+            return None
         return enable(*args, **kwargs)
 
     model.enable_input_require_grads = enable_once
+    if has_hook() and not _reentrant_checkpointing(model):
+        disable()
+        log.info("tilecompile: enable_input_require_grads's hook removed (no layer checkpoints reentrantly)")
+
+
+def _reentrant_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether some module of ``model`` checkpoints with (possibly) reentrant checkpointing: HF sets each
+    checkpointed layer's ``_gradient_checkpointing_func`` to ``partial(checkpoint, use_reentrant=...)``; a function
+    that does not say ``use_reentrant=False`` counts as reentrant."""
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if func is None or not getattr(module, "gradient_checkpointing", False):
+            continue
+        if not isinstance(func, functools.partial) or func.keywords.get("use_reentrant") is not False:
+            return True
+    return False
 
 
 # ------------------------------------------------------------------ HF Trainer: the loss with the forward
