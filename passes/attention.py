@@ -321,9 +321,44 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         rewrite_uses(gm, mask, spec, tokens, rewritten)
         for r in rewritten:
             result.rewrote(mask, r)
+    for node in gm.graph.nodes:
+        if _eager_attention(node):
+            candidate = "matmul-softmax-matmul attention"
+            result.consider(node, candidate)
+            result.skip(node, R.Skip(NAME, candidate, G.module_path(node), _EAGER_REASON))
     if result.rewrites:
         G.eliminate_dead_code(gm.graph)
     return result
+
+
+_EAGER_REASON = (
+    "attention spelled out as matmul, softmax and matmul (the model's eager attention implementation): its "
+    "[B, H, N, N] scores are built, and saved for backward; this pass rewrites SDPA calls only. Load the model with "
+    "attn_implementation='sdpa' where it has that path (Gemma 2's attention softcapping has none)"
+)
+_SCORE_STEPS = frozenset({"add", "sub", "mul", "div", "tanh", "float", "to", "type_as", "masked_fill", "contiguous"})
+
+
+def _eager_attention(node: fx.Node) -> bool:
+    """``node`` is the softmax of attention written out: its input, through a few elementwise steps (scale, mask,
+    softcap, casts), is a matmul whose [..., N, M] output it normalises, and a matmul (after casts or dropout)
+    reads its result."""
+    if G.op(node) != "softmax" or len(G.shape(node) or ()) != 4:
+        return False
+    src, steps = node.args[0] if node.args else None, 8
+    while isinstance(src, fx.Node) and steps and G.op(src) in _SCORE_STEPS:
+        nodes = [a for a in src.args if isinstance(a, fx.Node) and G.same_shape(G.shape(a) or (), G.shape(node))]
+        src, steps = (nodes[0] if nodes else None), steps - 1
+    if not isinstance(src, fx.Node) or G.op(src) != "matmul":
+        return False
+    todo, steps = list(node.users), 6
+    while todo and steps:
+        user, steps = todo.pop(), steps - 1
+        if G.op(user) == "matmul" and user.args and user.args[0] is not None:
+            return True
+        if G.op(user) in ("dropout", "to", "float", "type_as", "contiguous"):
+            todo += list(user.users)
+    return False
 
 
 PLAN_SIZE = 8  # the tensors of tilecompile::attention_plan (OA.plan_fakes)

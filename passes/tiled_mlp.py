@@ -151,9 +151,10 @@ def match(node: fx.Node) -> GatedMLP | str | None:
 
 
 def _adapted(node: fx.Node, role: str) -> str | None:
-    """The reason when ``node`` is a projection plus a low-rank adapter, ``linear(x) + linear(linear(x)) [* s]``
-    (PEFT's LoRA: ``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``, then cast back to the base's dtype);
-    None otherwise."""
+    """The reason when ``node`` is a projection plus a low-rank adapter, ``linear(x) + linear(linear(x)) [* s]`` with
+    both reading the same ``x`` (the adapter maybe through dropout) and the adapter's rank below the projection's
+    input width (PEFT's LoRA: ``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``, then cast back to the
+    base's dtype); None otherwise."""
     node = G.strip_casts(node)
     if G.op(node) != "add" or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
         return None
@@ -163,12 +164,25 @@ def _adapted(node: fx.Node, role: str) -> str | None:
                         default=extra)  # fmt: skip
         outer = G.as_affine(G.strip_casts(extra))
         inner = G.as_affine(G.strip_casts(outer.input)) if outer is not None else None
-        if as_projection(G.strip_casts(base)) is not None and inner is not None:
+        projection = as_projection(G.strip_casts(base))
+        if projection is None or inner is None:
+            continue
+        rank, width = (G.shape(inner.weight) or (None, None))[0], (G.shape(projection.linear.weight) or (None,))[-1]
+        low_rank = G.hint(rank) is not None and G.hint(width) is not None and G.hint(rank) < G.hint(width)
+        if low_rank and _input_of(inner.input) is _input_of(projection.linear.input):
             return (
                 f"the {role} projection has a low-rank adapter added to it ({node.name} = linear(x) + "
                 "linear(linear(x)) * s: LoRA): the op tiles plain projections only, so this MLP is left as it is"
             )
     return None
+
+
+def _input_of(node: fx.Node) -> fx.Node:
+    """``node`` back through casts and dropout (an adapter reads ``dropout(x)``, the projection ``x``)."""
+    node = G.strip_casts(node)
+    while isinstance(node, fx.Node) and G.op(node) == "dropout" and node.args:
+        node = G.strip_casts(node.args[0])
+    return node
 
 
 def _bias_added_later(lin: G.Linear) -> bool:

@@ -80,3 +80,26 @@ def test_family_padded_batch_with_checkpointing(name):
     else:
         reasons = [s.reason for s in rep.skipped if s.pass_name == "tiled_mlp"]
         assert c["tiled_mlp"] == 0 and len(reasons) == LAYERS and all("not gated" in r for r in reasons), str(rep)
+
+
+def test_eager_attention_gets_a_reason():
+    """Gemma 2 has no SDPA path in transformers 5 (its attention softcapping): its eager attention, matmul, softmax
+    and matmul, is left as it is with a reason per layer, and the step is still right."""
+    cfg = transformers.Gemma2Config(**{**_TINY, "attn_implementation": "eager"}, head_dim=8, sliding_window=6)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).double().train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    loss = torch.compile(_step, backend="tilecompile", options=compile_options())(model, ids, mask)
+    loss.backward()
+    expected = _step(ref, ids, mask)
+    expected.backward()
+    assert_close(loss, expected, rtol=1e-10, atol=1e-12, name="loss")
+    assert_grads_close(model, ref, rtol=1e-8, atol=1e-12)
+    rep = tilecompile.report()
+    eager = [s for s in rep.skipped if s.pass_name == "attention"]
+    assert rep.counts["attention"] == 0 and not rep.failures, str(rep)
+    assert len(eager) == LAYERS and all("attn_implementation='sdpa'" in s.reason for s in eager), str(rep)
+    assert sorted(s.module_path for s in eager) == [f"model.layers.{i}.self_attn" for i in range(LAYERS)], str(rep)

@@ -339,6 +339,8 @@ class NearMiss(torch.nn.Module):
             return self.down_proj(torch.sigmoid(self.gate_proj(x)) * self.up_proj(x))
         if k == "lora_gate":  # PEFT's LoRA: base_layer(x) + lora_B(lora_A(x)) * scaling
             return self.down_proj(F.silu(self.gate_proj(x) + self.lora_b(self.lora_a(x)) * 2.0) * self.up_proj(x))
+        if k == "branch_of_another_input":  # linear(x) + linear(linear(2x)): not an adapter of the projection
+            return self.down_proj(F.silu(self.gate_proj(x) + self.lora_b(self.lora_a(x * 2))) * self.up_proj(x))
         if k == "lora_up":
             return self.down_proj(F.silu(self.gate_proj(x)) * (self.up_proj(x) + self.lora_b(self.lora_a(x))))
         raise ValueError(k)
@@ -354,6 +356,7 @@ NEAR_MISSES = [
     ("plus_one", "is not a linear (up projection)"),
     ("lora_gate", "the gate projection has a low-rank adapter added to it"),
     ("lora_up", "the up projection has a low-rank adapter added to it"),
+    ("branch_of_another_input", "is not a linear (gate projection)"),
 ]
 
 

@@ -43,20 +43,32 @@ _FIX_HEAD = (
 # own. The hook exists for reentrant checkpointing; the non-reentrant one (transformers 5's default) needs none.
 _REQUIRES_GRAD_BREAK = "requires_grad_()"
 _FIX_REQUIRES_GRAD = (
-    "Dynamo broke the graph at a requires_grad_() call: Hugging Face's enable_input_require_grads hook on the input "
-    "embeddings does that when they are frozen (PEFT, LoRA); with non-reentrant activation checkpointing it is not "
-    "needed: call model.disable_input_require_grads() after enabling checkpointing (tilecompile.integrations."
-    "compile_trainer does this for Trainer and TRL)"
+    "Dynamo broke a graph at a requires_grad_() call since tilecompile.reset(): Hugging Face's "
+    "enable_input_require_grads hook on the input embeddings does that when they are frozen (PEFT, LoRA); with "
+    "non-reentrant activation checkpointing it is not needed: call model.disable_input_require_grads() after "
+    "enabling checkpointing (tilecompile.integrations.compile_trainer does this for Trainer and TRL)"
 )
+
+
+_BREAKS_AT_RESET: dict = {}  # Dynamo's graph-break counts by reason when tilecompile.reset() last ran
+
+
+def forget_breaks() -> None:
+    """From now on, only graph breaks Dynamo records after this call are named (``tilecompile.reset()`` calls it:
+    Dynamo's counters hold every break of the process and ``torch._dynamo.reset()`` does not clear them)."""
+    from torch._dynamo.utils import counters
+
+    _BREAKS_AT_RESET.clear()
+    _BREAKS_AT_RESET.update(counters["graph_break"])
 
 
 def _fix_head() -> str:
     """What to do about a graph break between the lm_head and its loss: the specific fix where Dynamo recorded a
-    break this project knows (its counters hold every graph break of the process, by reason), else the general
-    one."""
+    break this project knows since ``tilecompile.reset()``, else the general one."""
     from torch._dynamo.utils import counters
 
-    if any(_REQUIRES_GRAD_BREAK in str(reason) for reason in counters["graph_break"]):
+    new = [r for r, n in counters["graph_break"].items() if n > _BREAKS_AT_RESET.get(r, 0)]
+    if any(_REQUIRES_GRAD_BREAK in str(reason) for reason in new):
         return _FIX_REQUIRES_GRAD
     return _FIX_HEAD
 

@@ -221,8 +221,11 @@ def report() -> Report:
 
 
 def reset() -> None:
-    """Clear the report."""
+    """Clear the report (and forget the graph breaks Dynamo recorded so far: ``graph_breaks.forget_breaks``)."""
     global _current, _served
+    from tilecompile import graph_breaks
+
     with _lock:
         _current = Report()
         _served = {}
+    graph_breaks.forget_breaks()

@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -97,7 +98,8 @@ def _keep_one_input_hook(model: torch.nn.Module) -> None:
     ``requires_grad_()`` on the embeddings' output so that reentrant checkpointing sees an input that needs a
     gradient, which the non-reentrant one (transformers 5's default) does not need. With frozen embeddings (PEFT,
     LoRA) that call breaks the compiled graph in every step and keeps the lm_head apart from its loss
-    (``tilecompile/graph_breaks.py``); the parameters' gradients are the same without it."""
+    (``tilecompile/graph_breaks.py``); with checkpointing through HF's non-reentrant function the parameters'
+    gradients are the same without it."""
     enable = getattr(model, "enable_input_require_grads", None)
     disable = getattr(model, "disable_input_require_grads", None)
     if not callable(enable) or not callable(disable):
@@ -111,7 +113,12 @@ def _keep_one_input_hook(model: torch.nn.Module) -> None:
         if has_hook():
             disable()
         if not _reentrant_checkpointing(model):
-            log.info("tilecompile: enable_input_require_grads left off (no layer checkpoints reentrantly)")
+            warnings.warn(
+                "tilecompile: compile_trainer leaves enable_input_require_grads off (no layer checkpoints "
+                "reentrantly; its requires_grad_() on frozen embeddings would break the compiled graph); the "
+                "embeddings' output gets no gradient",
+                stacklevel=2,
+            )
             return None
         return enable(*args, **kwargs)
 
@@ -124,13 +131,15 @@ def _keep_one_input_hook(model: torch.nn.Module) -> None:
 def _reentrant_checkpointing(model: torch.nn.Module) -> bool:
     """Whether some module of ``model`` checkpoints with (possibly) reentrant checkpointing: HF sets each
     checkpointed layer's ``_gradient_checkpointing_func`` to ``partial(checkpoint, use_reentrant=...)``; a function
-    that does not say ``use_reentrant=False`` counts as reentrant."""
+    that does not say ``use_reentrant=False`` counts as reentrant, and so does a module flagged
+    ``gradient_checkpointing`` with no function (HF's old format, whose forward calls torch's checkpoint, reentrant
+    by default)."""
     for module in model.modules():
-        func = getattr(module, "_gradient_checkpointing_func", None)
-        if func is None or not getattr(module, "gradient_checkpointing", False):
+        if not getattr(module, "gradient_checkpointing", False):
             continue
+        func = getattr(module, "_gradient_checkpointing_func", None)
         if not isinstance(func, functools.partial) or func.keywords.get("use_reentrant") is not False:
-            return True
+            return True  # no function at all: an old-format model calling torch's checkpoint itself
     return False
 
 
