@@ -186,7 +186,7 @@ def flash_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def plan_tensors(pos, doc, valid, lo, hi, b: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """The packing of the mask's tokens for flash varlen, worked out on the device with static shapes, then read
-    back once (the only host sync): ``(order, inv, region, cu1, cu2, info, ncu, right)``.
+    back once (the only host sync): ``(order, inv, region, cu1, cu2, info, ncu, gather)``.
 
     Tokens t = (row, index) are grouped by (row, doc); inside a group the valid tokens come first, in index order.
     Packed order: every group's valid tokens (call 1's segments, one per group that has any: causal / windowed
@@ -197,10 +197,11 @@ def plan_tensors(pos, doc, valid, lo, hi, b: int, n: int, device: torch.device) 
 
     order [T] (packed position -> flat token), inv [T], region [T] int8 (0, 1, 2 as above), cu1 / cu2 [T + 2] int32
     (the first S + 1 entries: call 1's query-and-key offsets; call 2's query offsets, its keys being call 1's),
-    info [13] int64 on the CPU: inexact, S, tokens of call 1, of call 2, longest of each, order is the identity,
+    info [14] int64 on the CPU: inexact, S, tokens of call 1, of call 2, longest of each, order is the identity,
     then the natural order's (``_natural_segments``): whether it serves, its segments in each call, longest
-    segment of call 1, longest query and key segment of call 2. ncu [4, 3T + 3] int32: the natural order's offsets;
-    right [T]: the region-1 tokens first, in token order (the rows natural call 2 gathers).
+    segment of call 1, longest query and key segment of call 2, call 2's keys. ncu [4, 3T + 3] int32: the natural
+    order's offsets; gather [2, T]: the region-1 tokens first, then call 2's keys first, each in token order (the
+    rows natural call 2 gathers).
     """
     t = b * n
     ar = torch.arange(t, device=device)
@@ -251,28 +252,28 @@ def plan_tensors(pos, doc, valid, lo, hi, b: int, n: int, device: torch.device) 
     t1 = ok.sum()
     cu2 = cu2 + t1
     inv = torch.empty_like(order).scatter_(0, order, ar)
-    ncu, right, natural = _natural_segments(ar, ok, o, gid, region_o, nall, start, inexact, b)
+    ncu, gather, natural = _natural_segments(ar, ok, o, gid, region_o, nall, start, inexact, b)
     info = torch.stack(
         [inexact.long(), has.sum(), t1, nall.sum(), nvalid.max(), nall.max(), (order == ar).all().long(), *natural]
     )
     HOST_SYNCS[0] += 1
-    return order, inv, region, cu1.to(torch.int32), cu2.to(torch.int32), info.cpu(), ncu.to(torch.int32), right
+    return order, inv, region, cu1.to(torch.int32), cu2.to(torch.int32), info.cpu(), ncu.to(torch.int32), gather
 
 
 def _natural_segments(ar, ok, o, gid, region_o, nall, start, inexact, b: int):
     """The same two flash calls over the tokens where they lie (flat index order), so that no valid row is
-    gathered: ``(ncu [4, 3T + 3], right [T], [natural, S1, S2, max1, max2q, max2k])``, ``ncu`` holding call 1's
+    gathered: ``(ncu [4, 3T + 3], gather [2, T], [natural, S1, S2, max1, max2q, max2k, K2])``, ``ncu`` holding call 1's
     query and key offsets and call 2's (the first S1 + 1 / S2 + 1 entries).
 
     Call 1: each group's valid run is one segment, causal (or windowed) over itself; a run of pad tokens between
     them is two segments, its queries over no key, then its keys under no query: flash computes nothing there
-    (the caller fills those rows). Call 2: the region-1 (right-pad) queries, gathered in token order (``right``),
-    each group's run of them over the group's valid run where it lies, each such segment after a key-only filler
-    that brings the key offset to it, and one key-only filler to the end, so that every key's gradient is
-    written (0 outside): gathering those few query rows keeps flash's per-row work (its dO·O and dQ passes) off
-    the rest. Natural order serves when the plan is exact, every group's tokens are contiguous, each group has one
-    valid run and at most one run of region-1 pads, and the fillers stay few (at most two pad runs a row beside
-    one a group: flash's backward sizes a buffer by 128 rows a segment)."""
+    (the caller fills those rows). Call 2: the region-1 (right-pad) queries, gathered in token order
+    (``gather[0]``), each group's run of them over the group's valid run, whose K2 keys are gathered too, in token
+    order (``gather[1]``): both are few rows, so flash's per-row work (its dO·O and dQ passes) and per-key work
+    (GQA's dK / dV group sum over the query heads, the zeros of keys no query reads) stay off the rest. Natural
+    order serves when the plan is exact, every group's tokens are contiguous, each group has one valid run and at
+    most one run of region-1 pads, and call 1's pad segments stay few (at most two pad runs a row beside one a
+    group: flash's backward sizes a buffer by 128 rows a segment)."""
     t = ar.numel()
     device = ar.device
     big = torch.iinfo(torch.long).max // 4
@@ -306,8 +307,8 @@ def _natural_segments(ar, ok, o, gid, region_o, nall, start, inexact, b: int):
     ncu[1].scatter_(0, at, e)
     s1 = cnt.sum()
     max1 = torch.where(rend, e - s, 0).max()
-    # call 2: the region-1 queries gathered in token order (few rows, unlike the keys); each group's run of them
-    # over the group's valid run, where the keys lie, after a key-only filler from the last such run's keys
+    # call 2: each group's run of region-1 queries over the group's valid run, both gathered in token order (the
+    # groups are contiguous, so ordering them by their region-1 run orders their valid runs too)
     vs = torch.full((t,), big, device=device).scatter_reduce_(0, gid_n, torch.where(ok, ar, big), "amin")
     ve = torch.full((t,), -1, device=device).scatter_reduce_(0, gid_n, torch.where(ok, ar, -1), "amax") + 1
     rs = torch.full((t,), big, device=device).scatter_reduce_(0, gid_n, torch.where(r1, ar, big), "amin")
@@ -315,34 +316,26 @@ def _natural_segments(ar, ok, o, gid, region_o, nall, start, inexact, b: int):
     has1 = nall > 0
     g1 = has1.sum()
     by = torch.argsort(torch.where(has1, rs, big))
-    rs, re, vs, ve = rs[by], re[by], vs[by], ve[by]
     real = ar < g1
-    length = torch.where(real, re - rs, 0)
-    qc = torch.cumsum(length, 0)
-    vs, ve = torch.where(real, vs, t), torch.where(real, ve, t)  # past the last group: the filler to the end
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    qc_prev, ve_prev = torch.cat([zero, qc[:-1]]), torch.cat([zero, ve[:-1]])
-    at = 1 + 2 * ar
-    ncu[2].scatter_(0, at, qc_prev)  # keys [ve_prev, vs) under no query
-    ncu[3].scatter_(0, at, vs)
-    ncu[2].scatter_(0, at + 1, qc)  # the group's right pads over its valid run
-    ncu[3].scatter_(0, at + 1, ve)
-    s2 = torch.where(g1 > 0, 2 * g1 + 1, 0)
-    upto = ar <= g1
-    max2q = torch.where(upto, length, 0).max()
-    max2k = torch.where(upto, torch.maximum(ve - vs, vs - ve_prev), 0).max()
-    right = torch.argsort((~r1).to(torch.int8), stable=True)  # the region-1 tokens first, in token order
+    qlen = torch.where(real, (re - rs)[by], 0)
+    klen = torch.where(real, (ve - vs)[by], 0)
+    ncu[2, 1 : t + 1] = torch.cumsum(qlen, 0)
+    ncu[3, 1 : t + 1] = torch.cumsum(klen, 0)
+    keys2 = ok & has1[gid_n]
+    gather = torch.stack(
+        [torch.argsort((~r1).to(torch.int8), stable=True), torch.argsort((~keys2).to(torch.int8), stable=True)]
+    )  # the region-1 tokens first, in token order; then call 2's keys first, in token order
     natural = ~inexact & contiguous & (valid_runs <= 1).all() & (r1_runs <= 1).all() & (pad_runs <= groups + 2 * b)
-    return ncu, right, [natural.long(), s1, s2, max1, max2q, max2k]
+    return ncu, gather, [natural.long(), s1, g1, max1, qlen.max(), klen.max(), keys2.sum()]
 
 
 def packed(plan: list[torch.Tensor] | tuple[torch.Tensor, ...], b: int, n: int) -> dict | None:
     """The plan as flash varlen's arguments (no host sync: ``info`` is on the CPU), or None where it is inexact or
     was made for another token count."""
-    order, inv, region, cu1, cu2, info, ncu, right = plan
+    order, inv, region, cu1, cu2, info, ncu, gather = plan
     if order.numel() != b * n:
         return None
-    inexact, s, t1, t2, max1, max2, identity, natural, s1n, s2n, max1n, max2q, max2k = info.tolist()
+    inexact, s, t1, t2, max1, max2, identity, natural, s1n, s2n, max1n, max2q, max2k, k2 = info.tolist()
     if inexact:
         return None
     pk = {
@@ -364,7 +357,8 @@ def packed(plan: list[torch.Tensor] | tuple[torch.Tensor, ...], b: int, n: int) 
             "max1": max(1, max1n),
             "cu2": (ncu[2, : s2n + 1], ncu[3, : s2n + 1]) if t2 else None,
             "max2": (max(1, max2q), max(1, max2k)),
-            "right": right[:t2],  # region 1: the right-pad queries call 2 computes, in token order
+            "right": gather[0, :t2],  # region 1: the right-pad queries call 2 computes, in token order
+            "keys2": gather[1, :k2],  # the valid tokens of their groups: call 2's keys, in token order
             "none": order[t1 + t2 :],  # region 2: queries with no key (output 0)
             "pads": order[t1:],  # every pad token: no key's gradient
         }
@@ -618,7 +612,7 @@ def packed_bwd(grad_out, q, k, v, out, lse, pk: dict, lo, hi, scale):
 def _natural_fwd(q, k, v, pk: dict, lo, left, right, scale):
     """``packed_fwd`` on the tokens where they lie (``_natural_segments``): q, k, v of HF's token-major layout are
     taken as [T, heads, D] without a copy, and out comes back as a view; only pad rows are gathered or written:
-    the right-pad queries for call 2 and their results, the rows with no key set to 0 (lse +inf)."""
+    the right-pad queries and their groups' keys for call 2, its results, the rows with no key set to 0 (lse +inf)."""
     b, h, n, _ = q.shape
     nat = pk["natural"]
     qf, kf, vf = (_pack(x, None) for x in (q, k, v))
@@ -629,7 +623,8 @@ def _natural_fwd(q, k, v, pk: dict, lo, left, right, scale):
     if nat["cu2"] is not None:
         right_rows = nat["right"]
         (cq, ck), (mq, mk) = nat["cu2"], nat["max2"]
-        out2, lse2 = flash_fwd(qf.index_select(0, right_rows), kf, vf, cq, ck, mq, mk, False, -1, -1, scale)
+        k2, v2 = kf.index_select(0, nat["keys2"]), vf.index_select(0, nat["keys2"])
+        out2, lse2 = flash_fwd(qf.index_select(0, right_rows), k2, v2, cq, ck, mq, mk, False, -1, -1, scale)
         out.index_copy_(0, right_rows, out2)
         lse.index_copy_(1, right_rows, lse2)
     out.index_fill_(0, nat["none"], 0)
@@ -649,10 +644,13 @@ def _natural_bwd(grad_out, q, k, v, out, lse, pk: dict, lo, left, right, scale):
         (cq, ck), (mq, mk) = nat["cu2"], nat["max2"]
         g2, q2, o2 = (x.index_select(0, right_rows) for x in (gf, qf, of))
         lse2 = lse_f.index_select(1, right_rows)
-        dq2, dk2, dv2 = flash_bwd(g2, q2, kf, vf, o2, lse2, cq, ck, mq, mk, False, -1, -1, scale)
+        keys = nat["keys2"]
+        dq2, dk2, dv2 = flash_bwd(
+            g2, q2, kf.index_select(0, keys), vf.index_select(0, keys), o2, lse2, cq, ck, mq, mk, False, -1, -1, scale
+        )
         dq.index_copy_(0, right_rows, dq2)
-        dk += dk2  # every key lies in one of call 2's key segments: 0 where no query reads it
-        dv += dv2
+        dk.index_copy_(0, keys, dk.index_select(0, keys) + dk2)  # call 1's share plus call 2's
+        dv.index_copy_(0, keys, dv.index_select(0, keys) + dv2)
     dq.index_fill_(0, nat["none"], 0)
     dk.index_fill_(0, nat["pads"], 0)  # only valid tokens are keys
     dv.index_fill_(0, nat["pads"], 0)

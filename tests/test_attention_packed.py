@@ -299,12 +299,37 @@ def _draw_padded_batch(gen: torch.Generator):
     return lo, hi, valid, doc, hkv, token_major, what
 
 
-def test_random_padded_batches_run_flash_where_the_tokens_lie(emulated_flash):
+def _keys_seen_by_pads(n, pos, doc, valid, lo, hi) -> int:
+    """The keys some pad query is allowed (a right-pad query sees its group's valid run), over every row."""
+    mask = K.block_mask(torch.arange(n), n, pos, doc, valid, lo, hi)  # [B or 1, 1, N, N]
+    pads = ~valid.bool()
+    return int((mask[:, 0] & pads[:, :, None]).any(1).sum())
+
+
+def _flash_rows(monkeypatch):
+    """Record each flash call's (query rows, key rows): forward and backward."""
+    rows = []
+    for name in ("flash_fwd", "flash_bwd"):
+        real = getattr(K, name)
+        at = 0 if name == "flash_fwd" else 1
+
+        def spy(*args, real=real, at=at):
+            rows.append((args[at].shape[0], args[at + 1].shape[0]))
+            return real(*args)
+
+        monkeypatch.setattr(K, name, spy)
+    return rows
+
+
+def test_random_padded_batches_run_flash_where_the_tokens_lie(emulated_flash, monkeypatch):
     """40 random padded batches (``_draw_padded_batch``) take the natural order (their plan's ``natural`` set, so the
     flash calls run on the tokens where they lie), GQA and fp64: out, lse and the grads of q, k, v as float64's at
-    every position, pad rows included (a row the emulated flash leaves unwritten is NaN)."""
+    every position, pad rows included (a row the emulated flash leaves unwritten is NaN). Call 1 reads every token in
+    place; call 2 (where a pad query sees keys) reads the right-pad queries and only the keys they see."""
     gen = torch.Generator().manual_seed(0)
+    rows = _flash_rows(monkeypatch)
     for _ in range(40):
+        rows.clear()
         lo, hi, valid, doc, hkv, token_major, what = _draw_padded_batch(gen)
         b, n = valid.shape
         plan = OA.attention_plan(None, doc, valid, lo, hi)
@@ -315,6 +340,10 @@ def test_random_padded_batches_run_flash_where_the_tokens_lie(emulated_flash):
         q, k, v, g = (t.transpose(1, 2) if token_major else t for t in (q, k, v, g))  # HF's layout, or head-major
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         _assert_matches_float64(what, q, k, v, g, None, doc, valid, lo, hi, plan, "flash", 1e-11)
+        seen = _keys_seen_by_pads(n, None, doc, valid, lo, hi)
+        right_pads = pk["t2"] if pk["cu2"] is not None else 0
+        call2 = [(right_pads, seen)] * 2 if seen else []
+        assert rows == [(b * n, b * n), *call2[:1], (b * n, b * n), *call2[1:]], (what, rows, seen)
 
 
 def test_natural_order_refused_beside_two_runs_of_pads(emulated_flash):

@@ -59,9 +59,9 @@ def plan_fakes(like: torch.Tensor, t) -> list[torch.Tensor]:
         like.new_empty(t, dtype=torch.int8),
         like.new_empty(t + 2, dtype=torch.int32),
         like.new_empty(t + 2, dtype=torch.int32),
-        like.new_empty(13, dtype=torch.long, device="cpu"),
+        like.new_empty(14, dtype=torch.long, device="cpu"),
         like.new_empty((4, 3 * t + 3), dtype=torch.int32),
-        like.new_empty(t, dtype=torch.long),
+        like.new_empty((2, t), dtype=torch.long),
     ]
 
 
@@ -90,8 +90,9 @@ def _static_plan(b: int, n: int, device: torch.device) -> tuple[torch.Tensor, ..
     ar = torch.arange(t, device=device)
     cu = torch.nn.functional.pad(torch.arange(0, t + 1, n, device=device, dtype=torch.int32), (0, t + 1 - b))
     region = torch.zeros(t, dtype=torch.int8, device=device)
-    info = torch.tensor([0, b, t, 0, n, 0, 1] + [0] * 6)
-    return ar, ar, region, cu, cu, info, torch.zeros(4, 3 * t + 3, dtype=torch.int32, device=device), ar
+    info = torch.tensor([0, b, t, 0, n, 0, 1] + [0] * 7)
+    ncu = torch.zeros(4, 3 * t + 3, dtype=torch.int32, device=device)
+    return ar, ar, region, cu, cu, info, ncu, ar.expand(2, t)
 
 
 def _check_static(q, k, v, pos, doc, valid) -> None:
