@@ -269,8 +269,10 @@ def _natural_segments(ar, ok, o, gid, region_o, nall, start, inexact, b: int):
     them is two segments, its queries over no key, then its keys under no query: flash computes nothing there
     (the caller fills those rows). Call 2: the region-1 (right-pad) queries, gathered in token order
     (``gather[0]``), each group's run of them over the group's valid run, whose K2 keys are gathered too, in token
-    order (``gather[1]``): both are few rows, so flash's per-row work (its dO·O and dQ passes) and per-key work
-    (GQA's dK / dV group sum over the query heads, the zeros of keys no query reads) stay off the rest. Natural
+    order (``gather[1]``), so flash's per-row work (its dO·O and dQ passes) and per-key work (GQA's dK / dV group
+    sum over the query heads, the zeros of keys no query reads) stay off the other tokens (measured on the H200: a
+    gain where those groups are a part of the batch, e.g. the last document of each row; about even where they are
+    most of it, one group a row; benchmarks/RESULTS.md, "call 2 on its own keys"). Natural
     order serves when the plan is exact, every group's tokens are contiguous, each group has one valid run and at
     most one run of region-1 pads, and call 1's pad segments stay few (at most two pad runs a row beside one a
     group: flash's backward sizes a buffer by 128 rows a segment)."""
