@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import random
+import sys
 
 import pytest
 import torch
+
+# `python -m pytest` puts the working directory first on sys.path. Run from the repository root, the project's
+# top-level kernels/ folder (installed as tilecompile.kernels) would then shadow PyPI's `kernels` package, which
+# transformers >= 5.25 imports. tilecompile is installed (editable), so the root is not needed on the path.
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _ROOT]
 
 # The suite runs strict: a pass that fails raises instead of being undone with a warning.
 os.environ.setdefault("TILECOMPILE_STRICT", "1")
