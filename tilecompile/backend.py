@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import config, distributed, dynamo_compat, graph_breaks
+from tilecompile import config, distributed, dynamo_compat, eager_frames, graph_breaks, hub_kernels, releases
 from tilecompile import reporting as R
 from tilecompile.passes import layer_regions
 from tilecompile.pipeline import run_passes
@@ -28,6 +28,8 @@ log = logging.getLogger("tilecompile")
 # loaded by torch.compile(backend="tilecompile") before Dynamo traces: a failing import in the traced code raises
 # ImportError there instead of breaking the graph (OpenRLHF's optional flash_attn import)
 dynamo_compat.install()
+hub_kernels.install()  # transformers' `kernels` wrapper: no side effect inside checkpointed layers while tracing
+eager_frames.install()  # a frame at Dynamo's recompile limit runs eagerly: the report says so
 distributed.install()  # a compiled DDP module: the passes see the whole graph before DDP's bucket split
 _LEVELS = {"warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 
@@ -41,11 +43,16 @@ def tilecompile_backend(
 ) -> Callable[..., Any]:
     """Backend entry: ``options`` holds tilecompile's keys (see ``tilecompile.config``) and Inductor config patches."""
     settings = config.load(options)
+    hub_kernels.install()  # `kernels` imported after tilecompile: from this frame's recompiles and the next frames on
     _, inductor_options = config.split_options(options)
     _configure_logging(settings.log)
+    eager_frames.compiled_here()
+    releases.check_transformers()  # a release outside the tested range: one warning
     # Dynamo may restart its analysis from inside the inner compile (AOTAutograd specialising a symbolic float
-    # under dynamic shapes) and call this backend again for the same code: only the last call is reported
-    with R.discarded_on(torch._dynamo.exc.RestartAnalysis):
+    # under dynamic shapes) and call this backend again for the same code: only the last call is reported. A compile
+    # that raises otherwise (Dynamo then retries the frame split at a break, or raises) counts no rewrite either.
+    graph_name = "graph ?"
+    with R.discarded_on_error(lambda: graph_name, quiet=(torch._dynamo.exc.RestartAnalysis,)):
         R.count_graph()
         graph_name = f"graph {R.report().graphs}"
         try:

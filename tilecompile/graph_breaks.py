@@ -62,15 +62,46 @@ def forget_breaks() -> None:
     _BREAKS_AT_RESET.update(counters["graph_break"])
 
 
-def _fix_head() -> str:
-    """What to do about a graph break between the lm_head and its loss: the specific fix where Dynamo recorded a
-    break this project knows since ``tilecompile.reset()``, else the general one."""
+def new_breaks() -> dict[str, int]:
+    """Dynamo's graph-break reasons recorded since ``tilecompile.reset()`` (every backend's: the counters are the
+    process's), with how often each was hit since."""
     from torch._dynamo.utils import counters
 
-    new = [r for r, n in counters["graph_break"].items() if n > _BREAKS_AT_RESET.get(r, 0)]
-    if any(_REQUIRES_GRAD_BREAK in str(reason) for reason in new):
+    return {str(r): n - _BREAKS_AT_RESET.get(r, 0) for r, n in counters["graph_break"].items()
+            if n > _BREAKS_AT_RESET.get(r, 0)}  # fmt: skip
+
+
+# a break at a function Dynamo was told not to trace: FSDP2's hooks (each ``torch._dynamo.disable``d) are the usual one
+_DISABLED_BREAK = ("disable", "fsdp")
+_FIX_NO_LOSS = (
+    "no graph break split the step: compile the function that computes the loss from the logits (the model "
+    "forward, the log-probs and the loss in one torch.compile; README, Quickstart)"
+)
+
+
+def _fix_head() -> str:
+    """What to do about the lm_head's logits leaving its graph, from what Dynamo recorded since
+    ``tilecompile.reset()``: no break at all (the user compiled the model without its loss), a break this project
+    knows (HF's input-grad hook, FSDP2's disabled hooks), or another break, named."""
+    new = new_breaks()
+    if not new:
+        return _FIX_NO_LOSS
+    if any(_REQUIRES_GRAD_BREAK in reason for reason in new):
         return _FIX_REQUIRES_GRAD
-    return _FIX_HEAD
+    if any(word in reason.lower() for reason in new for word in _DISABLED_BREAK):
+        return _FIX_HEAD
+    first = next(iter(new)).splitlines()[0][:160]
+    return (
+        "put the lm_head and the loss in one function with no break between them; Dynamo broke the graph since "
+        f"tilecompile.reset() at: {first} (TORCH_LOGS=graph_breaks shows where)"
+    )
+
+
+def _returned_unbroken(gm: fx.GraphModule) -> bool:
+    """The graph ends where its function returns, and Dynamo broke no graph since ``tilecompile.reset()``: the
+    function torch.compile was given returns this graph's outputs."""
+    reason = getattr(getattr(gm, "compile_subgraph_reason", None), "reason", None)
+    return str(reason).startswith("return_value") and not new_breaks()
 
 
 def _break_reason(gm: fx.GraphModule) -> str:
@@ -130,12 +161,14 @@ def notes(gm: fx.GraphModule) -> list[R.Skip]:
         if linear is None or src in seen or not _is_head(linear) or _reaches_softmax(src):
             continue
         seen.add(src)
-        shape = G.shape(src)
-        out.append(R.Skip(
-            "fused_linear_ce", "lm_head", G.module_path(src),
-            f"the logits {list(shape) if shape else ''} leave this graph as an output{_break_reason(gm)}: the "
-            f"log-softmax / loss that reads them is in another graph, so they are built whole; {_fix_head()}",
-        ))  # fmt: skip
+        logits = f"the logits {list(G.shape(src) or ())}"
+        if _returned_unbroken(gm):
+            reason = (f"{logits} are what the compiled function returns: the loss that reads them runs outside the "
+                      f"compile, so they are built whole; {_FIX_NO_LOSS}")
+        else:
+            reason = (f"{logits} leave this graph as an output{_break_reason(gm)}: the log-softmax / loss that reads "
+                      f"them is in another graph, so they are built whole; {_fix_head()}")
+        out.append(R.Skip("fused_linear_ce", "lm_head", G.module_path(src), reason))  # fmt: skip
     for node in gm.graph.nodes:
         if G.op(node) in _SOFTMAX and node.args:
             src = G.graph_input(_source(node.args[0])) if isinstance(node.args[0], fx.Node) else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,14 +50,38 @@ class Failure:
     reason: str
 
 
+@dataclasses.dataclass
+class CompileError:
+    """An inner compile that raised: Dynamo retried the frame (split at a break of its own) or raised to the user.
+    The graph's rewrites are not counted."""
+
+    graph: str
+    reason: str
+
+
+@dataclasses.dataclass
+class EagerFrame:
+    """A function tilecompile compiled that Dynamo stopped compiling at a recompile limit: it runs eagerly from then
+    on, with no rewrite."""
+
+    function: str
+    limit: str
+    last_reason: str
+
+
 class Report:
-    """``counts`` (pass -> modules rewritten), ``rewrites``, ``skipped`` and ``failures``; ``modules(r)`` says how
-    many modules the graph of rewrite ``r`` served (1 until it ran, or when it holds no parameters)."""
+    """``counts`` (pass -> modules rewritten), ``rewrites``, ``skipped`` and ``failures``; ``compile_errors``,
+    ``eager_frames`` and ``breaks`` (Dynamo's graph-break reasons since the last reset, with counts) say where
+    nothing could be rewritten; ``modules(r)`` says how many modules the graph of rewrite ``r`` served (1 until it
+    ran, or when it holds no parameters)."""
 
     def __init__(self) -> None:
         self.rewrites: list[Rewrite] = []
         self.skipped: list[Skip] = []
         self.failures: list[Failure] = []
+        self.compile_errors: list[CompileError] = []
+        self.eager_frames: list[EagerFrame] = []
+        self.breaks: dict[str, int] = {}
         self.graphs = 0
         self.served: dict[str, int] = {}  # graph -> distinct parameter sets it ran with
 
@@ -73,6 +98,8 @@ class Report:
     def snapshot(self) -> Report:
         copy = Report()
         copy.rewrites, copy.skipped, copy.failures = list(self.rewrites), list(self.skipped), list(self.failures)
+        copy.compile_errors, copy.eager_frames = list(self.compile_errors), list(self.eager_frames)
+        copy.breaks = _breaks() if self is _current else dict(self.breaks)
         copy.graphs = self.graphs
         copy.served = {g: len(ids) for g, ids in _served.items()} if self is _current else dict(self.served)
         return copy
@@ -98,6 +125,16 @@ class Report:
         if self.failures:
             lines.append("failed (undone):")
             lines += _table([("pass", "graph", "reason")] + [(f.pass_name, f.graph, f.reason) for f in self.failures])
+        if self.compile_errors:
+            lines.append("compiles that raised (Dynamo retried the frame or raised; their rewrites are not counted):")
+            lines += _table([("graph", "error")] + [(e.graph, e.reason) for e in self.compile_errors])
+        if self.eager_frames:
+            lines.append("ran eagerly (Dynamo's recompile limit; no rewrite from then on):")
+            rows = [("function", "limit", "last guard that failed")]
+            lines += _table(rows + [(f.function, f.limit, f.last_reason) for f in self.eager_frames])
+        if self.breaks:
+            lines.append("graph breaks since tilecompile.reset() (Dynamo's, any backend; TORCH_LOGS=graph_breaks):")
+            lines += [f"  x{n}  {reason.splitlines()[0][:200]}" for reason, n in self.breaks.items()]
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -146,20 +183,38 @@ def decline(pass_name: str, graph: str, candidate: str, reason: str) -> None:
 
 
 @contextlib.contextmanager
-def discarded_on(exc_type: type[BaseException]):
-    """Records made inside the block are dropped again if it raises ``exc_type`` (Dynamo restarting its analysis:
-    the graph is traced and compiled anew, and would otherwise be counted twice)."""
+def discarded_on_error(graph: Callable[[], str], quiet: tuple[type[BaseException], ...]):
+    """Records made inside the block are dropped again if it raises: the graph was not compiled. Dynamo restarts its
+    analysis (``quiet``: the graph is traced and compiled anew, and would otherwise be counted twice), or retries the
+    frame split at a break of its own, or raises to the user; any other error is noted as a ``CompileError`` of
+    graph ``graph()``."""
     with _lock:
         report, marks = _current, (len(_current.rewrites), len(_current.skipped), len(_current.failures))
         graphs = _current.graphs
     try:
         yield
-    except exc_type:
+    except BaseException as exc:
         with _lock:
             if report is _current:  # not reset meanwhile
                 del report.rewrites[marks[0] :], report.skipped[marks[1] :], report.failures[marks[2] :]
                 report.graphs = graphs
+                if not isinstance(exc, quiet):
+                    text = str(exc).strip()
+                    first = text.splitlines()[0][:200] if text else ""
+                    report.compile_errors.append(CompileError(graph(), f"{type(exc).__name__}: {first}"))
         raise
+
+
+def eager_frame(frame: EagerFrame) -> None:
+    with _lock:
+        if frame not in _current.eager_frames:
+            _current.eager_frames.append(frame)
+
+
+def _breaks() -> dict[str, int]:
+    from tilecompile import graph_breaks
+
+    return graph_breaks.new_breaks()
 
 
 @contextlib.contextmanager
