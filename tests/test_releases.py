@@ -103,7 +103,7 @@ def test_every_rewrite_fires_and_the_step_equals_eager(name, checkpointing):
 
 def test_supported_range_is_checked():
     """The release this suite runs under is inside the range the package states (a release outside it would get a
-    warning from the backend: tests/test_backend.py checks the warning)."""
+    warning from the backend: tests/test_report_honesty.py checks the warning)."""
     from tilecompile import releases
 
     assert releases.transformers_supported(transformers.__version__), (transformers.__version__, releases.TRANSFORMERS)
