@@ -11,11 +11,13 @@ inputs are the per-token tensors the mask was built from (flash varlen on CUDA w
 
 The mask is usually built once and used by every layer, inside activation-checkpoint bodies: the pass follows
 it into a higher-order op's body, hands the body the per-token tensors instead (new operands and placeholders),
-and rewrites the SDPA calls there. Checks, each a reason when it says no: the mask is index arithmetic over
-per-token tensors; every use of it is an SDPA mask (directly or through a body); q, k, v are 4-D with equal query
-and key lengths; dropout is 0 and ``is_causal`` False; GQA only with ``enable_gqa=True``. Keys and values repeated
-per query head in GQA's order (HF's ``repeat_kv``, which it runs whenever SDPA gets a mask) are read through: the
-rewritten attention takes the key heads themselves (``unrepeated``).
+and rewrites the SDPA calls there; a slice of the mask that keeps all of it (transformers 4.57 slices it to the
+key length in each layer, ``mask[:, :, :, : key.shape[-2]]``) is read through as the mask itself. Checks, each a
+reason when it says no: the mask is index arithmetic over per-token tensors; every use of it is an SDPA mask
+(directly, through a body, or through such a slice); q, k, v are 4-D with equal query and key lengths; dropout is 0
+and ``is_causal`` False; GQA only with ``enable_gqa=True``. Keys and values repeated per query head in GQA's order
+(HF's ``repeat_kv``, which it runs whenever SDPA gets a mask) are read through: the rewritten attention takes the
+key heads themselves (``unrepeated``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ def _body(gm: fx.GraphModule, hop: fx.Node) -> fx.GraphModule | None:
         return None
     body = getattr(gm, first.target, None)
     return body if isinstance(body, fx.GraphModule) else None
+
+
+def _mask_source(node: Any) -> Any:
+    """The mask an SDPA reads, through views that keep all of it (transformers 4.57 slices the mask to the key
+    length in its sdpa path, ``mask[:, :, :, : key.shape[-2]]``, which is the whole mask when it is that long)."""
+    while isinstance(node, fx.Node) and (src := AM.whole_view(node)) is not None:
+        node = src
+    return node
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
@@ -106,6 +116,11 @@ def check_uses(gm: fx.GraphModule, mask: fx.Node) -> str | None:
             if reason:
                 return f"{user.name}: {reason}"
             continue
+        if AM.whole_view(user) is mask:  # the whole mask, sliced to the key length: its uses are the mask's
+            reason = check_uses(gm, user)
+            if reason:
+                return reason
+            continue
         body = _body(gm, user)
         if body is not None and len(user.args[0].users) > 1:
             return f"the body {user.args[0].target} of {user.name} is shared by several calls"
@@ -137,6 +152,11 @@ def rewrite_uses(gm: fx.GraphModule, mask: fx.Node, spec: AM.MaskSpec, tokens: d
     for user in list(mask.users):
         if is_sdpa(user):
             out.append(_rewrite_sdpa(gm, user, spec, tokens))
+            continue
+        if AM.whole_view(user) is mask:
+            rewrite_uses(gm, user, spec, tokens, out)
+            if not user.users:  # a body is not swept by the pass's dead-code elimination
+                gm.graph.erase_node(user)
             continue
         body = _body(gm, user)
         phs = _placeholders(body)
@@ -280,7 +300,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     masks: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if is_sdpa(node) and isinstance(_mask_arg(node), fx.Node):
-            masks.setdefault(_mask_arg(node), []).append(node)
+            masks.setdefault(_mask_source(_mask_arg(node)), []).append(node)
         elif (body := _body(gm, node)) is not None:
             phs = _placeholders(body)
             for i, a in enumerate(node.args[1:]):
@@ -428,6 +448,8 @@ def _order(gm: fx.GraphModule):
 def _reaches_sdpa_mask(body: fx.GraphModule, ph: fx.Node) -> bool:
     for user in ph.users:
         if is_sdpa(user) and _mask_arg(user) is ph:
+            return True
+        if AM.whole_view(user) is ph and _reaches_sdpa_mask(body, user):
             return True
         inner = _body(body, user)
         if inner is not None:

@@ -9,7 +9,9 @@ An SDPA mask built from positions is a pure function of (batch b, query i, key j
 - ``Bool``: a formula of comparisons of such forms, truth values of boolean per-token tensors, and/or/not.
 
 Axes are counted from the right in the frame of the node's own shape, so broadcasting keeps them and views
-(``[:, None]``, ``unsqueeze``, ``expand``) remap them. Per-token tensors whose values cannot be folded (an input's
+(``[:, None]``, ``unsqueeze``, ``expand``) remap them; a slice ``[a:b]`` reads the index from a on (a slice that
+provably keeps its whole axis, as transformers 4.57's ``mask[:, :, :, : key.shape[-2]]``, is the tensor itself; one
+that would cut a per-token tensor is a reason). Per-token tensors whose values cannot be folded (an input's
 ``position_ids``, a padding mask, document ids computed from them) stay opaque and become the rewrite's inputs;
 those that can be folded (``arange + 0``, ``cumsum(diff(arange) != 1)`` = 0) are folded, which is how HF's
 packed-sequence detection over an in-graph arange is proven to be no constraint at all.
@@ -231,6 +233,7 @@ _NOT = {operator.invert, torch.logical_not, torch.bitwise_not}
 _AND_M, _OR_M, _NOT_M = {"__and__", "logical_and", "bitwise_and"}, {"__or__", "logical_or", "bitwise_or"}, {
     "__invert__", "logical_not", "bitwise_not"}  # fmt: skip
 _IDENTITY_METHODS = {"contiguous", "clone", "detach"}
+_INPLACE = {operator.iadd: "add", operator.isub: "sub", "add_": "add", "sub_": "sub"}  # x += k (4.57's kv_arange)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -404,6 +407,8 @@ class Interpreter:
         if logic is not None:
             a, b = (self._bool(x) for x in (G.arg(node, 0, "input"), G.arg(node, 1, "other")))
             return _and(a, b) if logic == "and" else _or(a, b)
+        if node.op in ("call_function", "call_method") and _INPLACE.get(node.target) is not None:
+            return self._inplace(node, _INPLACE[node.target])
         if name in ("add", "sub"):
             a, b = self._num(G.arg(node, 0, "input")), self._num(G.arg(node, 1, "other"))
             alpha = G.arg(node, 2, "alpha", 1)
@@ -461,6 +466,19 @@ class Interpreter:
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise NotIndexArithmetic(f"{node.name}: floor division by {k!r}, not a literal positive integer")
         return Num.of({}, a.const // k) if a.is_const else FloorDiv(a, k)
+
+    def _inplace(self, node: fx.Node, name: str) -> Num:
+        """``x += k`` (transformers 4.57: ``kv_arange += kv_offset``): x's new value, read only when nothing else
+        reads x (a reader of x would see the old or the new value depending on where it is)."""
+        src, other = G.arg(node, 0, "input"), G.arg(node, 1, "other")
+        if not isinstance(src, fx.Node) or len(src.users) != 1 or G.arg(node, 2, "alpha", 1) != 1:
+            raise NotIndexArithmetic(f"{node.name}: in-place {name} into {getattr(src, 'name', src)}, read elsewhere")
+        v = self._num(src).add(self._num(other), 1 if name == "add" else -1)
+        # an arange chunks are built from is read after the mask's nodes: the mutated one no longer starts where it did
+        self.aranges = [(n, start) for n, start in self.aranges if n is not src]
+        if len(G.shape(node) or ()) == 1 and v.terms == ((Idx(-1), 1),):
+            self.aranges.append((node, v.const))
+        return v
 
     def _num(self, x: Any) -> Num:
         v = self.value(x)
@@ -538,32 +556,45 @@ class Interpreter:
         in_rank = len(G.shape(src) or ())
         if any(isinstance(i, fx.Node) for i in index):
             return self._gather(node, src, index)
+        index = _whole_items(index, G.shape(src) or ())
         mapping = _index_view_map(in_rank, index)
         if mapping is not None:
             return _remap(self.value(src), in_rank, rank, mapping)
         return self._slice(node, src, index, in_rank, rank)
 
     def _slice(self, node, src, index, in_rank, rank) -> Any:
-        """x[..., a:a+1] of a form indexed along that axis: the index becomes the constant a."""
-        v = self.value(src)
-        items = list(index)
-        if Ellipsis in items:
-            e = items.index(Ellipsis)
-            items[e : e + 1] = [slice(None)] * (in_rank - (len(items) - 1))
-        if len(items) != in_rank or any(i is None for i in items):
+        """x[..., a:b] of a form indexed along that axis (a slice that keeps the whole axis never gets here): the
+        index read from a on, ``Idx + a``, or the constant a where the slice is one wide (a size-1 axis broadcasts);
+        ``None`` and ``...`` among the slices are views as elsewhere. A per-token or per-row tensor cut so is a
+        reason: its tokens (rows) would no longer be the mask's."""
+        items = list(index) if Ellipsis in index else [*index, Ellipsis]  # the dims left out are whole
+        if not all(i is None or i is Ellipsis or isinstance(i, slice) for i in items):
             raise NotIndexArithmetic(f"{node.name}: indexing {index!r}")
-        subst: dict[int, int] = {}
-        for dim, item in enumerate(items):
-            if item == slice(None):
-                continue
-            if isinstance(item, slice) and item.step in (None, 1) and isinstance(item.start or 0, int):
-                start = item.start or 0
-                subst[dim - in_rank] = start
-                if item.stop != start + 1:
-                    raise NotIndexArithmetic(f"{node.name}: slice {item} of an index form")
-                continue
+        mapping = _index_view_map(in_rank, tuple(slice(None) if isinstance(i, slice) else i for i in items))
+        out_shape = G.shape(node)
+        if mapping is None or out_shape is None:
             raise NotIndexArithmetic(f"{node.name}: indexing {index!r}")
-        return _substitute(v, subst, node)
+        n_real = sum(1 for i in items if isinstance(i, slice))
+        starts: dict[int, int] = {}
+        fixed: set[int] = set()
+        dim = 0
+        for item in items:
+            if item is Ellipsis:
+                dim += in_rank - n_real
+                continue
+            if item is None:
+                continue
+            if item != slice(None):
+                if item.step not in (None, 1):
+                    raise NotIndexArithmetic(f"{node.name}: slice {item} of an index form, with a step")
+                start = _slice_start(item.start, G.shape(src)[dim])
+                if start is None:
+                    raise NotIndexArithmetic(f"{node.name}: slice {item} of an index form, from a start not known here")
+                starts[dim - in_rank] = start
+                if G.static_size(out_shape[mapping[dim]]) == 1:
+                    fixed.add(dim - in_rank)
+            dim += 1
+        return _remap(_sliced(self.value(src), starts, fixed, node), in_rank, rank, mapping)
 
     def _gather(self, node: fx.Node, src: fx.Node, index: tuple) -> Any:
         """``t[b_idx, t_idx]`` of a per-token tensor t with index forms: t read in the mask's frame; ``r[b_idx]`` of a
@@ -705,19 +736,93 @@ def _rebase(value: Any, move) -> Any:
     return value
 
 
-def _substitute(value: Any, subst: dict[int, int], node: fx.Node) -> Any:
-    """``value`` with the index along each axis in ``subst`` fixed to the given constant (a one-wide slice)."""
+def _sliced(value: Any, starts: dict[int, int], fixed: set[int], node: fx.Node) -> Any:
+    """``value`` read from ``starts[axis]`` on along each axis in ``starts`` (a slice): the index along it is
+    ``Idx + start``, or the constant start along an axis in ``fixed`` (one wide: it broadcasts later)."""
 
     def move(b):
-        if isinstance(b, Idx) and b.axis in subst:
-            return None, subst[b.axis]
-        if isinstance(b, Tok) and (b.axis in subst or b.batch_axis in subst):
+        if isinstance(b, Idx) and b.axis in starts:
+            return (None if b.axis in fixed else b), starts[b.axis]
+        if isinstance(b, Tok) and (b.axis in starts or b.batch_axis in starts):
             raise NotIndexArithmetic(f"{node.name}: a slice of per-token tensor {b.node.name}")
-        if isinstance(b, Row) and b.axis in subst:
+        if isinstance(b, Row) and b.axis in starts:
             raise NotIndexArithmetic(f"{node.name}: a slice of per-row tensor {b.node.name}")
         return b, 0
 
     return _rebase(value, move)
+
+
+def _size_of(x: Any) -> Any:
+    """A slice bound as a size: an int, or the SymInt an fx node (``key.shape[-2]`` under dynamic shapes) holds."""
+    return G.example_value(x) if isinstance(x, fx.Node) else x
+
+
+def _known_ge(a: Any, b: Any) -> bool:
+    """``a >= b`` for every value the symbols of two (possibly symbolic) sizes may take; no guard is added."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a >= b
+    if not isinstance(a, int | torch.SymInt) or not isinstance(b, int | torch.SymInt):
+        return False
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(a >= b))
+    except Exception:  # noqa: BLE001 - sizes this torch cannot compare: not known
+        return False
+
+
+def _slice_start(start: Any, size: Any) -> int | None:
+    """The literal first index a slice reads along a dim of ``size`` (a negative start counted from a static end);
+    None when it is not known here (symbolic)."""
+    start = _size_of(start)
+    if start is None:
+        return 0
+    if isinstance(start, bool) or not isinstance(start, int):
+        return None
+    if start >= 0:
+        return start
+    n = G.static_size(size)
+    return None if n is None else max(0, n + start)
+
+
+def _covers(item: Any, size: Any) -> bool:
+    """``item`` is a slice that keeps a whole dim of ``size``: step 1, from 0, to an end provably at or past the
+    size (``: key.shape[-2]`` of a mask whose key dim is that length, symbolic or not)."""
+    if not isinstance(item, slice) or item.step not in (None, 1) or _slice_start(item.start, size) != 0:
+        return False
+    return item.stop is None or _known_ge(_size_of(item.stop), size)
+
+
+def _whole_items(index: tuple, shape: tuple) -> tuple:
+    """``index`` with each slice that keeps its whole dim written ``:`` (transformers 4.57's sdpa path slices the
+    mask to the key length, ``mask[:, :, :, : key.shape[-2]]``, which is the mask itself)."""
+    n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
+    out, dim = [], 0
+    for item in index:
+        if item is Ellipsis:
+            dim += len(shape) - n_real
+        elif item is not None:
+            if dim < len(shape) and _covers(item, shape[dim]):
+                item = slice(None)
+            dim += 1
+        out.append(item)
+    return tuple(out)
+
+
+def whole_view(node: fx.Node) -> fx.Node | None:
+    """The source of ``node`` when ``node`` is ``source[index]`` keeping every element of it (``:``, ``...``, or
+    slices that provably cover their dims), so the same tensor as it stands; None otherwise."""
+    if G.op(node) != "getitem" or len(node.args) != 2 or not isinstance(node.args[0], fx.Node):
+        return None
+    src, index = node.args
+    index = index if isinstance(index, tuple) else (index,)
+    shape = G.shape(src)
+    if shape is None or not all(isinstance(i, slice) or i is Ellipsis for i in index):
+        return None
+    mapping = _index_view_map(len(shape), _whole_items(index, shape))
+    if mapping is None or not G.same_shape(G.shape(node) or (), shape):
+        return None
+    return src
 
 
 # -------------------------------------------------------------------------------------------------- the mask spec

@@ -457,6 +457,121 @@ def test_dropout_is_left_alone():
     assert skipped and "dropout_p" in skipped[0]
 
 
+# ------------------------------------------------------------------------------------- masks sliced to the key length
+
+
+class KeySlicedAttn(Attn):
+    """Attention that slices the mask it is handed to the key length, as transformers 4.57's sdpa path does
+    (``attention_mask[:, :, :, : key.shape[-2]]``): the whole mask when it is that long, symbolic or not."""
+
+    def forward(self, x, mask, **sdpa):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.hkv, self.d).permute(2, 0, 3, 1, 4)
+        mask = mask[:, :, :, : k.shape[-2]]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, **sdpa)
+        return out.transpose(1, 2).reshape(b, n, -1)
+
+
+class KeySlicedLayers(torch.nn.Module):
+    """Two such layers fed one mask built once (4.57's models), each under activation checkpointing or not: then
+    the mask enters each layer's body as an input and is sliced there."""
+
+    def __init__(self, checkpointing: bool):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([KeySlicedAttn(), KeySlicedAttn()])
+        self.checkpointing = checkpointing
+
+    def forward(self, x, pad):
+        mask = _pad_ne_0(x, pad)
+        for layer in self.layers:
+            if self.checkpointing:
+                x = x + torch.utils.checkpoint.checkpoint(layer, x, mask, use_reentrant=False)
+            else:
+                x = x + layer(x, mask)
+        return x
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_mask_sliced_to_the_key_length_is_the_mask(checkpointing, dynamic):
+    """A slice of the key dim that provably keeps all of it (a literal end, or the key length as a symbol under
+    dynamic shapes) is the mask itself: every layer's attention is rewritten, one mask read for all, and values and
+    grads equal eager's in float64 (a second length on the same compile under dynamic shapes)."""
+    torch.manual_seed(0)
+    model = KeySlicedLayers(checkpointing).double()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="tilecompile", options=compile_options(), dynamic=dynamic)
+    for n in (19, 23) if dynamic else (19,):
+        x = torch.randn(2, n, 32, dtype=torch.float64, requires_grad=True)
+        pad = torch.ones(2, n, dtype=torch.long)
+        pad[0, :4] = 0
+        pad[1, n - 5 :] = 0
+        out = compiled(x, pad)
+        x_ref = x.detach().clone().requires_grad_()
+        expected = ref(x_ref, pad)
+        assert_close(out, expected, rtol=1e-10, atol=1e-12, name=f"out (n={n})")
+        g = torch.randn_like(out)
+        out.backward(g)
+        expected.backward(g)
+        assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12, name=f"x.grad (n={n})")
+        assert_grads_close(model, ref, rtol=1e-10, atol=1e-12)
+        model.zero_grad(), ref.zero_grad()
+    report = tilecompile.report()
+    assert report.graphs == 1, report
+    assert report.counts["attention"] == 2, report
+    assert not [s for s in report.skipped if s.pass_name == "attention"], report.skipped
+    assert all("key valid in l_pad_ ne 0" in d for d in _details(report)), _details(report)
+
+
+def _key_offset_causal(x):  # keys numbered from -2 (two before the queries), then the first two cut off: causal
+    i, j = torch.arange(x.shape[1]), torch.arange(x.shape[1] + 2)
+    return (j[None, :] <= i[:, None] + 2)[None, None, :, 2:]
+
+
+def _key_offset_window(x):  # the same, keys at most one behind the query: a window
+    i, j = torch.arange(x.shape[1]), torch.arange(x.shape[1] + 2)
+    return ((j[None, :] <= i[:, None] + 2) & (j[None, :] > i[:, None]))[None, None, :, 2:]
+
+
+def _one_row_of_the_batch(x, pad):  # a [2, 1, N, N] mask's second row: pad would have to be cut the same way
+    return _pad_ne_0(x, torch.cat([pad, pad.flip(0)]))[1:]
+
+
+@pytest.mark.parametrize(
+    "build,expected,reason",
+    [(_key_offset_causal, "is_causal=True", None), (_key_offset_window, "0 <= Δindex <= 1", None),
+     (_one_row_of_the_batch, None, "a slice of per-token tensor")],
+    ids=["key-offset-causal", "key-offset-window", "one-row-of-the-batch"],
+)  # fmt: skip
+def test_mask_slices_that_restrict_are_exact_or_refused(build, expected, reason):
+    """A slice that restricts an axis is the index read from its start on (exact), or, where it would cut a
+    per-token tensor, a reason; the output equals eager's in float64 either way."""
+    torch.manual_seed(0)
+    model = Attn().double()
+    x = torch.randn(1, 13, 32, dtype=torch.float64, requires_grad=True)
+    pad = torch.ones(1, 13, dtype=torch.long)
+    pad[0, :3] = 0
+
+    def fn(m, x, pad):
+        return m(x, build(x, pad) if build is _one_row_of_the_batch else build(x))
+
+    out = torch.compile(fn, backend="tilecompile", options=compile_options())(model, x, pad)
+    x_ref = x.detach().clone().requires_grad_()
+    want = fn(model, x_ref, pad)
+    assert_close(out, want, rtol=1e-10, atol=1e-12, name="out")
+    out.sum().backward()
+    want.sum().backward()
+    assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12, name="x.grad")
+    report = tilecompile.report()
+    skipped = [s.reason for s in report.skipped if s.pass_name == "attention"]
+    if reason is None:
+        assert report.counts["attention"] == 1 and not skipped, (report, skipped)
+        assert expected in _details(report)[0], _details(report)
+    else:
+        assert report.counts["attention"] == 0 and skipped and reason in skipped[0], skipped
+
+
 # --------------------------------------------------------------------------------------------------- the op
 
 
