@@ -10,6 +10,14 @@ and ``down_proj`` [E, D, I] passed transposed; ``grouped_mm`` is ``torch.nn.func
 and up may also be two grouped matmuls of the same rows. The op runs each expert's rows in token chunks and saves
 only ``x`` (the routed rows), the offsets and the weights for backward.
 
+Expert-parallel sentinel rows (transformers 5.17 always, 5.18+ under expert parallelism): HF writes
+``proj = grouped_mm(x, Wgu, offs).masked_fill(sentinel_mask, 0)`` before the gate, ``sentinel_mask =
+(expert_ids_g >= num_experts).unsqueeze(-1)`` [S, 1] marking the rows routed to experts not on this rank (sorted to
+the tail, past ``offs[-1]``). The pass reads through a ``masked_fill(·, mask, 0)`` of whole rows ([S, 1]) on the
+gate and up projections (the same mask on both) and hands the mask to the op as ``row_mask``: the op zeroes those
+rows' gate and up, and their gradients, as the masked_fill does (tilecompile/ops/tiled_grouped_mlp.py), whatever
+rows the mask marks. HF's other two fills (of ``x`` in place before, of the output after) stay in the graph.
+
 HF's ``experts_implementation="batched_mm"`` gathers each row's expert weights instead,
 ``bmm(W[ids], x.unsqueeze(-1)).squeeze(-1)`` ([S, 2I, D] of gathered weights, and their grads, per layer): the
 same op, with the rows sorted into groups around it (``argsort(ids)``, offsets from the counts, the rows gathered
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import operator
 
 import torch
@@ -74,12 +83,14 @@ class GroupedMM:
 
 @dataclasses.dataclass(frozen=True)
 class GroupedProjection:
-    """Gate or up: a grouped matmul, or columns ``[start, stop)`` of its output."""
+    """Gate or up: a grouped matmul, or columns ``[start, stop)`` of its output; ``mask`` when the rows it flags are
+    filled with zero (``masked_fill(·, mask, 0)`` around the matmul or its slice)."""
 
     node: fx.Node  # what the activation or the gate multiply reads
     mm: GroupedMM
     start: int | None = None
     stop: int | None = None
+    mask: fx.Node | None = None
 
     @property
     def sliced(self) -> bool:
@@ -106,6 +117,11 @@ class GroupedMLP:
     @property
     def fused(self) -> bool:
         return self.gate.mm.node is self.up.mm.node
+
+    @property
+    def mask(self) -> fx.Node | None:
+        """The row mask of gate and up (``check_row_mask`` makes them one)."""
+        return self.gate.mask
 
 
 # ------------------------------------------------------------------------------------------------------ find
@@ -160,17 +176,40 @@ def as_expert_mm(node: object) -> GroupedMM | None:
     return as_grouped_mm(node) or as_gathered_mm(node)
 
 
+def as_zero_fill(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``masked_fill(source, mask, 0)`` (method or function; a literal +0 fill): ``(source, mask)``."""
+    if G.op(node) != "masked_fill":
+        return None
+    source, mask = G.arg(node, 0, "input", node.kwargs.get("self")), G.arg(node, 1, "mask")
+    value = G.arg(node, 2, "value")
+    if len(node.args) + len(node.kwargs) != 3 or not all(isinstance(t, fx.Node) for t in (source, mask)):
+        return None
+    if not isinstance(value, int | float) or value != 0 or math.copysign(1.0, value) < 0:
+        return None  # a tensor value, a nonzero fill, or -0.0 (the op fills +0)
+    return source, mask
+
+
 def as_grouped_projection(node: object) -> GroupedProjection | None:
+    """An expert matmul, or columns of it, read through ``+ 0`` and one ``masked_fill(·, mask, 0)`` (before or after
+    the slice)."""
     if not isinstance(node, fx.Node):
         return None
     node = dense._plus_zero(node)
+    read = node
+    fill = as_zero_fill(node)
+    node, mask = fill if fill is not None else (node, None)
     mm = as_expert_mm(node)
     if mm is not None:
-        return GroupedProjection(node, mm)
+        return GroupedProjection(read, mm, mask=mask)
     part = G.as_last_dim_slice(node)
-    mm = as_expert_mm(part.source) if part is not None else None
+    if part is None:
+        return None
+    source = part.source
+    if mask is None and (fill := as_zero_fill(source)) is not None:
+        source, mask = fill
+    mm = as_expert_mm(source)
     if mm is not None:
-        return GroupedProjection(node, mm, part.start, part.stop)
+        return GroupedProjection(read, mm, part.start, part.stop, mask)
     return None
 
 
@@ -214,7 +253,7 @@ def match(node: fx.Node) -> GroupedMLP | str | None:
 def _region(end: fx.Node, down: GroupedMM, gate: GroupedProjection, up: GroupedProjection) -> frozenset[fx.Node]:
     """The nodes between the MLP's inputs (rows, offsets, weights) and ``end``."""
     leaves = {gate.mm.input, up.mm.input, gate.mm.weight, up.mm.weight, down.weight}
-    leaves |= {gate.mm.offs, up.mm.offs, down.offs}
+    leaves |= {gate.mm.offs, up.mm.offs, down.offs} | ({gate.mask, up.mask} - {None})
     region, todo = set(), [end]
     while todo:
         n = todo.pop()
@@ -283,6 +322,21 @@ def check_same_rows(m: GroupedMLP) -> str | None:
     offs = {m.gate.mm.offs, m.up.mm.offs, m.down.offs}
     if len(offs) != 1:
         return f"the projections read different offsets / expert ids ({', '.join(sorted(o.name for o in offs))})"
+    return None
+
+
+def check_row_mask(m: GroupedMLP) -> str | None:
+    """A zero fill between the projections and the gate: one bool [S, 1] row mask on both gate and up."""
+    if m.gate.mask is None and m.up.mask is None:
+        return None
+    if m.gate.mask is not m.up.mask:
+        shown = {r: p.mask.name if p.mask is not None else "none" for r, p in (("gate", m.gate), ("up", m.up))}
+        return f"gate and up are zero-filled by different masks (gate: {shown['gate']}, up: {shown['up']})"
+    rows, shape = (G.shape(m.x) or (None,))[0], G.shape(m.mask)
+    if G.dtype(m.mask) is not torch.bool or shape is None or rows is None:
+        return f"the zero fill's mask {m.mask.name} is not a bool tensor of known shape"
+    if len(shape) != 2 or not G.same_size(shape[1], 1) or not G.same_size(shape[0], rows):
+        return f"the zero fill's mask {m.mask.name} {list(shape)} is not a row mask [{G.hint(rows)}, 1] of the rows"
     return None
 
 
@@ -391,8 +445,11 @@ def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> R.Rewrite:
             counts = add("scatter_add", zeros, 0, ids, ones, method=True)
             offsets = add(torch.cumsum, counts, 0)
             x = add(operator.getitem, m.x, perm)
+        mask = m.mask
+        if mask is not None and m.down.form == "gathered":
+            mask = add(operator.getitem, mask, perm)
         args = (x, offsets, gate_w, up_w, down_w, m.act.kind, s.mlp_chunk_tokens, s.mlp_chunk_budget_mb)
-        tiled = add(torch.ops.tilecompile.tiled_grouped_mlp.default, *args, s.mlp_grad_accum)
+        tiled = add(torch.ops.tilecompile.tiled_grouped_mlp.default, *args, s.mlp_grad_accum, mask)
         out = tiled
         if m.down.form == "gathered":
             out = add(operator.getitem, tiled, add(torch.argsort, perm))
@@ -428,6 +485,8 @@ def _record(m: GroupedMLP, s) -> R.Rewrite:
         f"experts={dense._size(experts)} {rows} activation={m.act.kind} fused={'gate_up' if m.fused else 'no'} "
         f"chunk_tokens={s.mlp_chunk_tokens or 'auto'} budget_mb={s.mlp_chunk_budget_mb} grad_accum={s.mlp_grad_accum}"
     )
+    if m.mask is not None:
+        detail += f" row_mask={m.mask.name} (its rows' gate and up zero-filled in the op)"
     return R.Rewrite(NAME, dense._path(m.region), shapes, dtypes, detail)
 
 
@@ -452,6 +511,7 @@ def run(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: dict, m
             checks = (
                 lambda m: check_enabled(m, ctx.settings.mlp_experts),
                 check_same_rows,
+                check_row_mask,
                 check_weights_are_inputs,
                 check_inside_region,
                 check_shapes,

@@ -269,8 +269,8 @@ def test_compiled_model_saves_less_with_experts_tiled():
 # ------------------------------------------------------------------------------------------------------ the op
 
 
-def _reference(x, gate_up, down, offsets, activation):
-    """Plain per-expert loop, rows past offsets[-1] zero."""
+def _reference(x, gate_up, down, offsets, activation, row_mask=None):
+    """Plain per-expert loop, rows past offsets[-1] zero; ``row_mask`` [S, 1] zero-fills the gate_up output."""
     act = {
         "silu": F.silu,
         "gelu": F.gelu,
@@ -279,7 +279,10 @@ def _reference(x, gate_up, down, offsets, activation):
     }[activation]
     out, lo = [], 0
     for e, hi in enumerate(offsets.tolist()):
-        g, u = F.linear(x[lo:hi], gate_up[e]).chunk(2, dim=-1)
+        p = F.linear(x[lo:hi], gate_up[e])
+        if row_mask is not None:
+            p = p.masked_fill(row_mask[lo:hi], 0)
+        g, u = p.chunk(2, dim=-1)
         out.append(F.linear(act(g) * u, down[e]))
         lo = hi
     out.append(x.new_zeros((x.shape[0] - lo, down.shape[1])))
@@ -305,6 +308,37 @@ def test_op_float64_against_reference(activation, chunk, grad_accum):
     for name, a, b in zip(("x", "gate_up", "down"), ours, theirs):
         assert_close(a, b, rtol=1e-12, atol=1e-12, name=f"grad of {name}")
     assert not ours[0][35:].any() and not ours[1][1:3].any()  # rows past the last expert, empty experts
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("chunk", [0, 1, 4])
+def test_op_row_mask_float64(activation, chunk):
+    """``row_mask`` is ``masked_fill(gate_up, mask, 0)`` before the gate, for rows inside experts' groups and past
+    the last: the output and every grad equal the masked reference; masked rows give zero output and zero dx, and
+    their values reach no weight grad (changing them changes nothing)."""
+    torch.manual_seed(3)
+    rows, d, inter, experts = 23, 7, 5, 4
+    x = torch.randn(rows, d, dtype=torch.float64, requires_grad=True)
+    gate_up = torch.randn(experts, 2 * inter, d, dtype=torch.float64, requires_grad=True)
+    down = torch.randn(experts, d, inter, dtype=torch.float64, requires_grad=True)
+    offsets = torch.tensor([6, 6, 15, 20], dtype=torch.int32)
+    mask = torch.zeros(rows, 1, dtype=torch.bool)
+    mask[[0, 5, 7, 8, 14, 19, 21]] = True  # group edges, a run inside a group, a row past the last
+    dy = torch.randn(rows, d, dtype=torch.float64)
+    grads = {}
+    for name, rows_x in (("x", x), ("x with masked rows changed", x.detach().masked_fill(mask, 1e3))):
+        rows_x = rows_x.detach().requires_grad_()
+        out = _tiled_experts(rows_x, gate_up, down, offsets, activation=activation, chunk_tokens=chunk, row_mask=mask)
+        expected = _reference(rows_x, gate_up, down, offsets, activation, row_mask=mask)
+        assert_close(out, expected, rtol=1e-12, atol=1e-12, name=f"out ({name})")
+        assert not out[mask.squeeze(-1)].any()
+        grads[name] = torch.autograd.grad(out, (rows_x, gate_up, down), dy)
+        theirs = torch.autograd.grad(expected, (rows_x, gate_up, down), dy)
+        for what, a, b in zip(("x", "gate_up", "down"), grads[name], theirs):
+            assert_close(a, b, rtol=1e-12, atol=1e-12, name=f"grad of {what} ({name})")
+        assert not grads[name][0][mask.squeeze(-1)].any()
+    for a, b in zip(*grads.values()):
+        assert torch.equal(a, b)
 
 
 def test_op_separate_gate_and_up_weights_and_partial_grads():
@@ -349,6 +383,10 @@ def test_op_rejects_bad_offsets_and_opcheck():
     w = gate_up.transpose(-2, -1)
     args = (x, torch.tensor([3, 6]), w[..., :3], w[..., 3:], down.transpose(-2, -1), "silu", 2, 256, "fp32")
     torch.library.opcheck(torch.ops.tilecompile.tiled_grouped_mlp.default, args)
+    mask = torch.tensor([[True], [False]] * 4)
+    torch.library.opcheck(torch.ops.tilecompile.tiled_grouped_mlp.default, (*args, mask))
+    with pytest.raises(ValueError, match="row_mask"):
+        _tiled_experts(x, gate_up, down, torch.tensor([3, 6]), row_mask=mask.expand(8, 3))
 
 
 # --------------------------------------------------------------------------------------------------- reasons
@@ -429,6 +467,168 @@ def test_grouped_spellings_fire(form, activation):
 )
 def test_grouped_near_misses_get_a_reason(form, reason):
     model = _GroupedExperts(form)
+    x = torch.randn(14, 8, dtype=torch.bfloat16)
+    offsets = torch.tensor([5, 5, 12], dtype=torch.int32)
+    _compile(model)(x, offsets)
+    assert not _rewrites(), tilecompile.report()
+    (s,) = _skips()
+    assert reason in s.reason, s
+
+
+# ------------------------------------------------------------------------------- zero-filled (sentinel) rows
+
+
+def _hf_grouped_mm():
+    import transformers.integrations.moe  # noqa: F401 - registers torch.ops.transformers.grouped_mm_fallback
+
+    return torch.ops.transformers.grouped_mm_fallback
+
+
+class _SentinelExperts(torch.nn.Module):
+    """HF's grouped_mm experts (transformers/integrations/moe.py) with expert-parallel sentinel rows: expert ids >=
+    ``num_experts`` are rows routed to experts on other ranks. transformers 5.17 runs this code always, 5.24 under
+    ``_is_expert_parallel``: the sort puts the sentinels at the tail, ``histc`` leaves them out of the offsets, ``x``
+    is zero-filled in place, the gate_up output zero-filled before the gate, the down output after. float64 through
+    HF's fallback grouped_mm (what HF calls for non-bf16 weights under Dynamo)."""
+
+    def __init__(self, experts=4, d=6, inter=5) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inter, d, dtype=torch.float64) / 2)
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, d, inter, dtype=torch.float64) / 2)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        mm, experts = _hf_grouped_mm(), self.num_experts
+        tokens, top_k = top_k_index.shape
+        expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
+        x = hidden[perm // top_k]
+        sample_weights_g = top_k_weights.reshape(-1)[perm]
+        tokens_per_expert = torch.histc(expert_ids_g.double(), bins=experts, min=0, max=experts - 1)
+        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        sentinel_mask = (expert_ids_g >= experts).unsqueeze(-1)
+        x.masked_fill_(sentinel_mask, 0.0)
+        proj = mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets).masked_fill(sentinel_mask, 0.0)
+        gate, up = proj.chunk(2, dim=-1)
+        proj = mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets).masked_fill(sentinel_mask, 0.0)
+        weighted = proj * sample_weights_g.unsqueeze(-1)
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(perm.size(0))
+        return weighted[inv_perm].view(tokens, top_k, -1).sum(dim=1), proj, sentinel_mask
+
+
+@pytest.mark.parametrize("sentinels", [0, 5], ids=["no_sentinel", "sentinels"])
+def test_sentinel_masked_experts_tiled_float64(sentinels):
+    """The experts read through the sentinel zero fill and tiled (the mask handed to the op): one graph (HF 5.17's
+    fallback backward, whose ``.tolist()`` cannot be traced, no longer in it), output and every grad equal eager in
+    float64, the sentinel rows zero in the output and in the hidden states' grad."""
+    torch.manual_seed(4)
+    model = _SentinelExperts()
+    ref = copy.deepcopy(model)
+    tokens, top_k = 9, 2
+    hidden = torch.randn(tokens, 6, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, 4, (tokens, top_k))
+    index.view(-1)[torch.randperm(tokens * top_k)[:sentinels]] = 4 + torch.arange(sentinels) % 2  # other ranks'
+    weights = torch.rand(tokens, top_k, dtype=torch.float64).masked_fill(index >= 4, 0.0)  # as EP dispatch leaves
+    weights.requires_grad_()
+    out, rows, mask = _compile(model)(hidden, index, weights)
+    expected, expected_rows, _ = ref(hidden, index, weights)
+    assert_close(out, expected, rtol=1e-12, atol=1e-12, name="out")
+    assert_close(rows, expected_rows, rtol=1e-12, atol=1e-12, name="expert rows")
+    assert int(mask.sum()) == sentinels and not rows[mask.squeeze(-1)].any()
+    dy = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (hidden, weights, *model.parameters()), dy)
+    theirs = torch.autograd.grad(expected, (hidden, weights, *ref.parameters()), dy)
+    for name, a, b in zip(("hidden", "routing weights", "gate_up_proj", "down_proj"), ours, theirs):
+        assert_close(a, b, rtol=1e-12, atol=1e-12, name=f"grad of {name}")
+    only_sentinels = (index >= 4).all(-1)  # tokens routed only to other ranks get no gradient here
+    assert not ours[0][only_sentinels].any()
+    rep = tilecompile.report()
+    assert rep.graphs == 1 and rep.counts["tiled_mlp"] == 1 and not _skips(), rep
+    (r,) = _rewrites()
+    assert "row_mask=sentinel_mask" in r.detail and "fused=gate_up" in r.detail, r.detail
+
+
+class _RowMaskedExperts(torch.nn.Module):
+    """Grouped experts whose gate and up are zero-filled on rows an input mask flags, anywhere in the groups (not
+    only past the last offset, where the op would give zero anyway): the fill before the chunk (HF's spelling) or
+    after it, on separate gate and up projections."""
+
+    def __init__(self, form: str, experts=3, d=5, inter=4) -> None:
+        super().__init__()
+        self.form = form
+        for name, shape in (("gate_up_proj", (2 * inter, d)), ("up_proj", (inter, d)), ("down_proj", (d, inter))):
+            setattr(self, name, torch.nn.Parameter(torch.randn(experts, *shape, dtype=torch.float64) / 2))
+
+    def forward(self, x, offsets, mask):
+        mm = _hf_grouped_mm()
+        if self.form == "fill_then_chunk":
+            gate, up = mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets).masked_fill(mask, 0).chunk(2, dim=-1)
+        else:  # "separate": each projection filled after its own grouped_mm (the gate a slice of gate_up)
+            gate = mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)[..., :4].masked_fill(mask, 0.0)
+            up = torch.masked_fill(mm(x, self.up_proj.transpose(-2, -1), offs=offsets), mask, 0.0)
+        return mm(F.gelu(gate, approximate="tanh") * up, self.down_proj.transpose(-2, -1), offs=offsets)
+
+
+@pytest.mark.parametrize("form", ["fill_then_chunk", "separate"])
+def test_row_masked_experts_tiled_float64(form):
+    """Rows flagged inside the experts' groups: the tiled op zeroes them as the fill does, in the output and in every
+    grad, equal to eager in float64; their values reach no weight grad."""
+    torch.manual_seed(5)
+    model = _RowMaskedExperts(form)
+    ref = copy.deepcopy(model)
+    offsets = torch.tensor([4, 4, 11], dtype=torch.int32)
+    mask = torch.zeros(13, 1, dtype=torch.bool)
+    mask[[0, 3, 6, 7, 12]] = True
+    x = torch.randn(13, 5, dtype=torch.float64, requires_grad=True)
+    compiled = _compile(model)
+    out, expected = compiled(x, offsets, mask), ref(x, offsets, mask)
+    assert_close(out[:11], expected[:11], rtol=1e-12, atol=1e-12, name="out")
+    assert not out[mask.squeeze(-1)].any()
+    dy = torch.randn_like(out)
+    dy[11:] = 0  # rows past the last offset: HF's fallback leaves their grad out, the op zeros them
+    ours = torch.autograd.grad(out, (x, *model.parameters()), dy, allow_unused=True)
+    theirs = torch.autograd.grad(expected, (x, *ref.parameters()), dy, allow_unused=True)
+    for (name, _), a, b in zip([("x", x), *model.named_parameters()], ours, theirs):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert_close(a, b, rtol=1e-12, atol=1e-12, name=f"grad of {name}")
+    assert not ours[0][mask.squeeze(-1)].any()
+    x2 = x.detach().masked_fill(mask, 7.0).requires_grad_()
+    again = torch.autograd.grad(compiled(x2, offsets, mask), (x2, *model.parameters()), dy, allow_unused=True)
+    assert all(torch.equal(a, b) for a, b in zip(ours, again) if a is not None)
+    (r,) = _rewrites()
+    assert "row_mask=l_mask_" in r.detail and ("fused=no" in r.detail) == (form == "separate"), r.detail
+
+
+class _BadFillExperts(torch.nn.Module):
+    def __init__(self, form: str, experts=3, d=8, inter=16) -> None:
+        super().__init__()
+        self.form = form
+        self.gate_up_proj = torch.nn.Parameter((torch.randn(experts, 2 * inter, d) / 4).to(torch.bfloat16))
+        self.down_proj = torch.nn.Parameter((torch.randn(experts, d, inter) / 4).to(torch.bfloat16))
+
+    def forward(self, x, offsets):
+        p = F.grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
+        rows = x[:, :1] > 0
+        if self.form == "gate_only":
+            g, u = p.chunk(2, dim=-1)
+            g = g.masked_fill(rows, 0.0)
+        elif self.form == "elementwise":
+            g, u = p.masked_fill(rows.expand(-1, p.shape[-1]), 0.0).chunk(2, dim=-1)
+        else:
+            raise ValueError(self.form)
+        return F.grouped_mm(F.silu(g) * u, self.down_proj.transpose(-2, -1), offs=offsets)
+
+
+@pytest.mark.parametrize(
+    "form,reason",
+    [
+        ("gate_only", "zero-filled by different masks (gate: rows, up: none)"),
+        ("elementwise", "is not a row mask [14, 1]"),
+    ],
+)
+def test_zero_fills_the_op_cannot_take_get_a_reason(form, reason):
+    model = _BadFillExperts(form)
     x = torch.randn(14, 8, dtype=torch.bfloat16)
     offsets = torch.tensor([5, 5, 12], dtype=torch.int32)
     _compile(model)(x, offsets)

@@ -94,8 +94,10 @@ def test_other_backends_frames_are_not_reported():
 
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa",
+    )  # fmt: skip
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
 
@@ -156,6 +158,7 @@ def test_a_release_outside_the_range_warns_once(monkeypatch):
 
 def test_pyproject_states_the_same_range():
     import pathlib
+
     import tomllib
 
     root = pathlib.Path(__file__).resolve().parents[1]

@@ -48,7 +48,9 @@ class _Handler(logging.Handler):
         with _lock:
             if str(function) not in _ours:
                 return
-        R.eager_frame(R.EagerFrame(str(function), f"{limit_type}={limit}", " ".join(str(last_reason).split("\n")[0].split())))
+        R.eager_frame(
+            R.EagerFrame(str(function), f"{limit_type}={limit}", " ".join(str(last_reason).split("\n")[0].split()))
+        )
 
 
 _handler: _Handler | None = None

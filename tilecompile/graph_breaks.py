@@ -163,11 +163,15 @@ def notes(gm: fx.GraphModule) -> list[R.Skip]:
         seen.add(src)
         logits = f"the logits {list(G.shape(src) or ())}"
         if _returned_unbroken(gm):
-            reason = (f"{logits} are what the compiled function returns: the loss that reads them runs outside the "
-                      f"compile, so they are built whole; {_FIX_NO_LOSS}")
+            reason = (
+                f"{logits} are what the compiled function returns: the loss that reads them runs outside the "
+                f"compile, so they are built whole; {_FIX_NO_LOSS}"
+            )
         else:
-            reason = (f"{logits} leave this graph as an output{_break_reason(gm)}: the log-softmax / loss that reads "
-                      f"them is in another graph, so they are built whole; {_fix_head()}")
+            reason = (
+                f"{logits} leave this graph as an output{_break_reason(gm)}: the log-softmax / loss that reads "
+                f"them is in another graph, so they are built whole; {_fix_head()}"
+            )
         out.append(R.Skip("fused_linear_ce", "lm_head", G.module_path(src), reason))  # fmt: skip
     for node in gm.graph.nodes:
         if G.op(node) in _SOFTMAX and node.args:

@@ -6,15 +6,26 @@ The weights are in ``grouped_mm``'s layout, ``[E, in, out]`` (``x @ W[e]``): gat
 [E, I, D_out]. Rows at or past ``offsets[-1]`` belong to no expert: their output (and their dx) is zero
 (``grouped_mm`` leaves them undefined; HF's fallback zeros them).
 
-Forward, for each expert and each chunk of its rows: ``g = xc Wg[e]``, ``u = xc Wu[e]``, ``h = act(g) * u``,
-``y = h Wd[e]``. Saved for backward: ``x``, ``offsets`` and the weights, never an [S, I] tensor.
+``row_mask`` (optional, bool [S, 1] or [S]) is ``masked_fill(proj, row_mask, 0)`` between the gate/up projection
+and the activation, as HF's grouped_mm experts write it for expert-parallel sentinel rows (transformers 5.17
+always, 5.18+ under expert parallelism): the op zeroes a masked row's ``g`` and ``u`` after the GEMMs, so its
+``h = act(0) * 0`` and its output are what eager computes, and in backward zeroes its ``dg`` and ``du`` (the
+masked_fill's backward) before they reach ``dx`` and the gate/up weight grads. Any row may be masked, inside an
+expert's group or past ``offsets[-1]``; no host sync (elementwise fills of slices).
 
-Backward (``tilecompile::tiled_grouped_mlp_backward``), per expert and chunk: recompute ``g`` and ``u``, then
+Forward, for each expert and each chunk of its rows: ``g = xc Wg[e]``, ``u = xc Wu[e]`` (masked rows zeroed),
+``h = act(g) * u``, ``y = h Wd[e]``. Saved for backward: ``x``, ``offsets``, the weights and the row mask, never an
+[S, I] tensor.
+
+Backward (``tilecompile::tiled_grouped_mlp_backward``), per expert and chunk: recompute ``g`` and ``u`` (masked
+rows zeroed), then
 
     dh = dy Wd[e]ᵀ                 dWd[e] += hᵀ dy
     du = dh * act(g)               dWu[e] += xcᵀ du
     dg = dh * u * act'(g)          dWg[e] += xcᵀ dg
     dx = du Wu[e]ᵀ + dg Wg[e]ᵀ
+
+with ``du`` and ``dg`` zero on masked rows.
 
 Weight grads accumulate across chunks in fp32 (``grad_accum="fp32"``; fp64 stays fp64) or in the parameter dtype
 (``"param"``) and are returned from the backward op, one per weight input (gate and up may be two views of one
@@ -52,6 +63,7 @@ def _check(
     chunk_tokens: int,
     budget_mb: int,
     grad_accum: str,
+    row_mask: Tensor | None = None,
 ) -> None:
     name = "tiled_grouped_mlp"
     check_options(name, activation, chunk_tokens, budget_mb, grad_accum)
@@ -75,6 +87,18 @@ def _check(
             f"{name}: x and the weights must share one dtype (as grouped_mm's operands), got "
             f"{[t.dtype for t in (x, gate_weight, up_weight, down_weight)]}"
         )
+    if row_mask is not None and (
+        row_mask.dtype != torch.bool or tuple(row_mask.shape) not in ((x.shape[0], 1), (x.shape[0],))
+    ):
+        raise ValueError(
+            f"{name}: row_mask must be a bool [S, 1] or [S] mask of x's rows, got {row_mask.dtype} "
+            f"{tuple(row_mask.shape)} for x {tuple(x.shape)}"
+        )
+
+
+def _row_mask(row_mask: Tensor | None) -> Tensor | None:
+    """The mask as [S, 1], a view that broadcasts over a chunk's columns."""
+    return None if row_mask is None else row_mask.reshape(-1, 1)
 
 
 def _bounds(offsets: Tensor, rows: int) -> list[tuple[int, int]]:
@@ -105,8 +129,10 @@ def _tiled_grouped_mlp_op(
     chunk_tokens: int = 0,
     budget_mb: int = 256,
     grad_accum: str = "fp32",
+    row_mask: Tensor | None = None,
 ) -> Tensor:
-    _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum)
+    _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask)
+    mask = _row_mask(row_mask)
     n, i, d_out = x.shape[0], gate_weight.shape[2], down_weight.shape[2]
     out = x.new_zeros((n, d_out))  # rows past offsets[-1] belong to no expert: zero
     bounds = _bounds(offsets, n)
@@ -120,14 +146,28 @@ def _tiled_grouped_mlp_op(
             xc, g, u = x[s:t], g_buf[: t - s], u_buf[: t - s]
             torch.mm(xc, wg, out=g)
             torch.mm(xc, wu, out=u)
+            if mask is not None:  # masked_fill(proj, mask, 0): h = act(0) * 0 on a masked row
+                g.masked_fill_(mask[s:t], 0)
+                u.masked_fill_(mask[s:t], 0)
             K.act_into(g, g, activation).mul_(u)
             torch.mm(g, wd, out=out[s:t])
     return out
 
 
 @_tiled_grouped_mlp_op.register_fake
-def _(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens=0, budget_mb=256, grad_accum="fp32"):
-    _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum)
+def _(
+    x,
+    offsets,
+    gate_weight,
+    up_weight,
+    down_weight,
+    activation,
+    chunk_tokens=0,
+    budget_mb=256,
+    grad_accum="fp32",
+    row_mask=None,
+):
+    _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask)
     return x.new_empty((x.shape[0], down_weight.shape[2]))
 
 
@@ -149,9 +189,11 @@ def _tiled_grouped_mlp_backward_op(
     budget_mb: int,
     grad_accum: str,
     needs_grad: list[bool],
+    row_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     need_x, need_wg, need_wu, need_wd = ([bool(v) for v in needs_grad] + [False] * 4)[:4]
     n, i = x.shape[0], gate_weight.shape[2]
+    mask = _row_mask(row_mask)
 
     def acc_dtype(p: Tensor) -> torch.dtype:
         return p.dtype if grad_accum == "param" else torch.promote_types(torch.float32, p.dtype)
@@ -176,18 +218,26 @@ def _tiled_grouped_mlp_backward_op(
                 g, u, dh, tmp = (b[: t - s] for b in (g_buf, u_buf, dh_buf, t_buf))
                 torch.mm(xc, wg, out=g)
                 torch.mm(xc, wu, out=u)
+                mc = None if mask is None else mask[s:t]
+                if mc is not None:  # the forward's g and u
+                    g.masked_fill_(mc, 0)
+                    u.masked_fill_(mc, 0)
                 torch.mm(dyc, wd.t(), out=dh)
                 if need_wd:
                     h = K.act_into(g, tmp, activation).mul_(u)
                     _accumulate_mm(acc_wd[e], h.t(), dyc)
                 if need_du:
                     du = K.act_into(g, tmp, activation).mul_(dh)
+                    if mc is not None:  # masked_fill's backward
+                        du.masked_fill_(mc, 0)
                     if need_wu:
                         _accumulate_mm(acc_wu[e], xc.t(), du)
                     if need_x:
                         torch.mm(du, wu.t(), out=dx[s:t])
                 if need_dg:
                     dg = K.act_backward_into(u.mul_(dh), g, u, activation)
+                    if mc is not None:
+                        dg.masked_fill_(mc, 0)
                     if need_wg:
                         _accumulate_mm(acc_wg[e], xc.t(), dg)
                     if need_x:
@@ -206,7 +256,20 @@ def _tiled_grouped_mlp_backward_op(
 
 
 @_tiled_grouped_mlp_backward_op.register_fake
-def _(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, accum, needs):
+def _(
+    grad_out,
+    x,
+    offsets,
+    gate_weight,
+    up_weight,
+    down_weight,
+    activation,
+    chunk_tokens,
+    budget_mb,
+    accum,
+    needs,
+    mask=None,
+):
     needs = ([bool(v) for v in needs] + [False] * 4)[:4]
     like = (x, gate_weight, up_weight, down_weight)
     return tuple(t.new_empty(t.shape) if need else x.new_empty((0,)) for need, t in zip(needs, like))
@@ -217,22 +280,22 @@ def _(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chu
 
 
 def _setup_context(ctx, inputs, output):
-    x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum = inputs
-    ctx.save_for_backward(x, offsets, gate_weight, up_weight, down_weight)
+    x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask = inputs
+    ctx.save_for_backward(x, offsets, gate_weight, up_weight, down_weight, row_mask)
     ctx.settings = (activation, chunk_tokens, budget_mb, grad_accum)
 
 
 def _backward(ctx, grad_out):
-    x, offsets, gate_weight, up_weight, down_weight = ctx.saved_tensors
+    x, offsets, gate_weight, up_weight, down_weight, row_mask = ctx.saved_tensors
     n = ctx.needs_input_grad
     needs = [n[0], n[2], n[3], n[4]]
     if not any(needs):
-        return (None,) * 9
+        return (None,) * 10
     grads = torch.ops.tilecompile.tiled_grouped_mlp_backward(
-        grad_out.contiguous(), x, offsets, gate_weight, up_weight, down_weight, *ctx.settings, needs
+        grad_out.contiguous(), x, offsets, gate_weight, up_weight, down_weight, *ctx.settings, needs, row_mask
     )
     gx, gwg, gwu, gwd = (g if need else None for g, need in zip(grads, needs))
-    return gx, None, gwg, gwu, gwd, None, None, None, None
+    return gx, None, gwg, gwu, gwd, None, None, None, None, None
 
 
 _tiled_grouped_mlp_op.register_autograd(_backward, setup_context=_setup_context)
@@ -253,9 +316,11 @@ def tiled_grouped_mlp(
     chunk_tokens: int = 0,
     budget_mb: int = 256,
     grad_accum: str = "fp32",
+    row_mask: Tensor | None = None,
 ) -> Tensor:
     """Per expert ``e``, rows ``offsets[e-1]:offsets[e]`` of ``x`` [S, D] through ``act(x Wg[e]) * (x Wu[e]) @ Wd[e]``
-    in token chunks; weights [E, in, out] as ``grouped_mm`` takes them. See the module docstring."""
+    in token chunks; weights [E, in, out] as ``grouped_mm`` takes them; rows flagged in ``row_mask`` as if their
+    gate and up projections were zero. See the module docstring."""
     return torch.ops.tilecompile.tiled_grouped_mlp(
-        x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum
+        x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask
     )
