@@ -266,6 +266,43 @@ def test_compiled_model_saves_less_with_experts_tiled():
     assert saved_bytes[False] - saved_bytes[True] >= 2 * rows * 48 * 4, saved_bytes
 
 
+def test_untiled_experts_compile_as_one_graph():
+    """Experts left alone (``mlp_experts=0``) on CPU in fp32 run through HF's grouped_mm fallback op, whose backward
+    is opaque (transformers' own op from 5.24, tilecompile/hf_grouped_mm.py's before, where its Python backward's
+    ``tolist`` made every inner compile fail): one graph, no compile error, loss and grads equal eager's."""
+    model = _model("qwen3_moe")
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    out = _step(_compile(model, mlp_experts=False), ids)
+    expected = _step(ref, ids)
+    assert_close(out, expected, rtol=RTOL, atol=ATOL, name="logits")
+    assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
+    rep = tilecompile.report()
+    assert rep.graphs == 1 and not rep.compile_errors and not _rewrites(), str(rep)
+
+
+def test_grouped_mm_fallback_backward_op_float64():
+    """tilecompile::grouped_mm_fallback_backward against autograd through a per-expert loop, an idle expert and
+    rows past the last offset included (their dx is zero: the forward wrote no output for them)."""
+    from tilecompile.hf_grouped_mm import grouped_mm_fallback_backward
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(4, 5, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    offs = torch.tensor([3, 3, 7, 9])
+    dy = torch.randn(11, 3, dtype=torch.float64, generator=g)
+    start, parts = 0, []
+    for e, end in enumerate(offs.tolist()):
+        parts.append(x[start:end] @ w[e])
+        start = end
+    parts.append(x[start:] * 0 @ w[0])
+    torch.cat(parts).backward(dy)
+    dx, dw = grouped_mm_fallback_backward(dy, x.detach(), w.detach(), offs)
+    assert_close(dx, x.grad, rtol=1e-12, atol=1e-14, name="dx")
+    assert_close(dw, w.grad, rtol=1e-12, atol=1e-14, name="dw")
+    torch.library.opcheck(grouped_mm_fallback_backward, (dy, x.detach(), w.detach(), offs))
+
+
 # ------------------------------------------------------------------------------------------------------ the op
 
 

@@ -137,7 +137,7 @@ def test_graph_breaks_are_listed():
 
 @pytest.mark.parametrize(
     "version,supported",
-    [("4.56.2", False), ("4.57.0", True), ("4.57.6", True), ("5.10.4", True), ("5.25.3", True), ("5.26.0", False),
+    [("4.57.6", False), ("5.2.0", False), ("5.3.0", True), ("5.10.4", True), ("5.25.3", True), ("5.26.0", False),
      ("6.0.0", False), ("5.25.0.dev0", True)],
 )  # fmt: skip
 def test_supported_range(version, supported):

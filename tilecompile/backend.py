@@ -19,7 +19,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import config, distributed, dynamo_compat, eager_frames, graph_breaks, hub_kernels, releases
+from tilecompile import (
+    config,
+    distributed,
+    dynamo_compat,
+    eager_frames,
+    graph_breaks,
+    hf_grouped_mm,
+    hub_kernels,
+    releases,
+)
 from tilecompile import reporting as R
 from tilecompile.passes import layer_regions
 from tilecompile.pipeline import run_passes
@@ -29,6 +38,7 @@ log = logging.getLogger("tilecompile")
 # ImportError there instead of breaking the graph (OpenRLHF's optional flash_attn import)
 dynamo_compat.install()
 hub_kernels.install()  # transformers' `kernels` wrapper: no side effect inside checkpointed layers while tracing
+hf_grouped_mm.install()  # transformers < 5.24: an opaque backward for its grouped_mm fallback (untiled experts)
 eager_frames.install()  # a frame at Dynamo's recompile limit runs eagerly: the report says so
 distributed.install()  # a compiled DDP module: the passes see the whole graph before DDP's bucket split
 _LEVELS = {"warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
@@ -44,6 +54,7 @@ def tilecompile_backend(
     """Backend entry: ``options`` holds tilecompile's keys (see ``tilecompile.config``) and Inductor config patches."""
     settings = config.load(options)
     hub_kernels.install()  # `kernels` imported after tilecompile: from this frame's recompiles and the next frames on
+    hf_grouped_mm.install()
     _, inductor_options = config.split_options(options)
     _configure_logging(settings.log)
     eager_frames.compiled_here()

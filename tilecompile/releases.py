@@ -4,6 +4,12 @@ The passes read Hugging Face transformers' model code by what it computes, and t
 (4.57 slices the mask to the key length, 5.17 masks the experts' rows with a sentinel, 5.25 wraps attention in the
 `kernels` package). CI's compatibility stage (``.ci/compat``) runs the release matrix at the range's floor, at
 verl 0.9's pin, at the GPU image's release and at the newest; pyproject's test extra states the same range.
+
+Why the floor is 5.3: below it the MoE experts cannot be compiled whole, so they cannot be tiled (the dense
+families' rewrites do fire on 4.57.6). 4.57's experts are a Python loop over the experts that were hit, found with
+``nonzero`` (a data-dependent shape: Dynamo breaks the graph there). 5.0 to 5.2 call ``torch._grouped_mm`` on
+fp32 rows on the CPU, which fake tensors refuse ("Expected inputs of BF16 type"), so the compile fails with or
+without tilecompile; 5.3 brought the fallback op that CPU and fp32 take. Measured 2026-12-04, torch 2.13 CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import sys
 import warnings
 
 # (oldest supported, newest tested): releases in between are supported; pyproject's test extra says the same
-TRANSFORMERS = ("4.57.0", "5.25.0")
+TRANSFORMERS = ("5.3.0", "5.25.0")
 _warned: set[str] = set()
 
 
