@@ -1,5 +1,7 @@
-"""Hugging Face's grouped_mm fallback before transformers 5.24: give its backward an opaque op, so that a step whose
-experts are left untiled compiles as one graph.
+"""Hugging Face's grouped_mm experts under torch.compile, in the releases where they leave the graph.
+
+1. The fallback op before transformers 5.24: give its backward an opaque op, so that a step whose experts are left
+untiled compiles as one graph.
 
 transformers >= 5.3 runs MoE experts through ``transformers::grouped_mm_fallback`` (a custom op: a loop over
 ``offs.tolist()``) where torch's own grouped_mm cannot be used (the CPU, fp32 or fp32-autocast weights, a GPU other
@@ -14,6 +16,14 @@ transformers 5.24 made the backward a custom op of its own (``transformers::grou
 (the same loop: for each expert's rows, ``dx = dy W[e]ᵀ`` and ``dW[e] = xᵀ dy``, in the same order with the same
 ``torch.mm`` calls, so eager results are bit-identical) and makes it the fallback op's backward. Releases that
 already have the backward op, or whose op has another schema, are left as they are.
+
+2. The version probe's debug line (transformers 5.3 to 5.10). Each experts call asks ``_can_use_grouped_mm``, which
+calls ``is_torch_less_or_equal`` (an ``lru_cache``d function: Dynamo traces the function itself, not the cache),
+which logs ``logger.debug("Detected torch version ...")`` from ``transformers.utils.import_utils``. Dynamo cannot
+trace a logger call and breaks the graph in every MoE layer (bf16 weights: the path that reaches the probe), so the
+experts are never in a graph with their routing and nothing is tiled. ``quiet_version_probe()`` adds that one
+logger's ``debug`` (not ``logging.Logger.debug``, not any other logger) to Dynamo's
+``ignore_logging_functions``: in compiled code that debug line is not written; nothing else changes.
 """
 
 from __future__ import annotations
@@ -60,13 +70,27 @@ def _backward(ctx, grad_output):
     return grad_input, grad_weight, None
 
 
+def quiet_version_probe() -> bool:
+    """Dynamo ignores ``transformers.utils.import_utils.logger.debug`` (see the module docstring); True if added."""
+    module = sys.modules.get("transformers.utils.import_utils")
+    logger = getattr(module, "logger", None)
+    if not isinstance(logger, logging.Logger):
+        return False
+    ignored = torch._dynamo.config.ignore_logging_functions
+    if logger.debug not in ignored:
+        ignored.add(logger.debug)
+    return True
+
+
 def install() -> bool:
-    """Give transformers' fallback op the opaque backward where its release lacks one; True if it has one now."""
+    """``quiet_version_probe()``, then give transformers' fallback op the opaque backward where its release lacks
+    one; True if it has one now."""
     global _installed
     if _installed:
         return True
     if "transformers" not in sys.modules:
         return False
+    quiet_version_probe()
     namespace = torch.ops.transformers
     if not hasattr(namespace, "grouped_mm_fallback"):
         return False
