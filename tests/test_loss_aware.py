@@ -489,6 +489,7 @@ def test_compiled_per_token_gradient_with_inductor_on_cpu():
 
 def test_grad_compile_setting_picks_the_backend():
     from tilecompile.passes.fused_linear_ce import _grad_backend
+
     from tilecompile import config
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
