@@ -366,6 +366,22 @@ def _chunks_of_two_divisors(chunk, lp):
     return lambda b, h, q, kv: (kv - lp[b]) // chunk == (q - lp[b]) // (chunk + 1)
 
 
+def _compare_padded(model, ref, x, run, run_ref) -> None:
+    """``run(x)`` (compiled) against ``run_ref`` on a copy of x: values, x's grad and every parameter grad in
+    float64; the grads are zeroed after."""
+    n = x.shape[1]
+    out = run(x)
+    x_ref = x.detach().clone().requires_grad_()
+    expected = run_ref(x_ref)
+    assert_close(out, expected, rtol=1e-10, atol=1e-12, name=f"out (n={n})")
+    g = torch.randn_like(out)
+    out.backward(g)
+    expected.backward(g)
+    assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12, name=f"x.grad (n={n})")
+    assert_grads_close(model, ref, rtol=1e-10, atol=1e-12)
+    model.zero_grad(), ref.zero_grad()
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("chunk", [1, 4, 7])
 def test_hf_chunked_local_attention(chunk, dynamic):
@@ -382,16 +398,8 @@ def test_hf_chunked_local_attention(chunk, dynamic):
         pad = torch.ones(3, n, dtype=torch.long)
         pad[0, :5] = 0
         pad[1, n - 6 :] = 0
-        out = compiled(model, x, pad)
-        x_ref = x.detach().clone().requires_grad_()
-        expected = ref(x_ref, _hf_chunked(x_ref, pad, chunk))
-        assert_close(out, expected, rtol=1e-10, atol=1e-12, name=f"out (n={n})")
-        g = torch.randn_like(out)
-        out.backward(g)
-        expected.backward(g)
-        assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12, name=f"x.grad (n={n})")
-        assert_grads_close(model, ref, rtol=1e-10, atol=1e-12)
-        model.zero_grad(), ref.zero_grad()
+        run = lambda x, pad=pad: compiled(model, x, pad)  # noqa: E731
+        _compare_padded(model, ref, x, run, lambda x, pad=pad: ref(x, _hf_chunked(x, pad, chunk)))
     details = _details(tilecompile.report())
     assert details and all(f"same chunk (index - lp[b]) // {chunk}" in d for d in details), details
 
@@ -507,16 +515,7 @@ def test_mask_sliced_to_the_key_length_is_the_mask(checkpointing, dynamic):
         pad = torch.ones(2, n, dtype=torch.long)
         pad[0, :4] = 0
         pad[1, n - 5 :] = 0
-        out = compiled(x, pad)
-        x_ref = x.detach().clone().requires_grad_()
-        expected = ref(x_ref, pad)
-        assert_close(out, expected, rtol=1e-10, atol=1e-12, name=f"out (n={n})")
-        g = torch.randn_like(out)
-        out.backward(g)
-        expected.backward(g)
-        assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12, name=f"x.grad (n={n})")
-        assert_grads_close(model, ref, rtol=1e-10, atol=1e-12)
-        model.zero_grad(), ref.zero_grad()
+        _compare_padded(model, ref, x, lambda x, pad=pad: compiled(x, pad), lambda x, pad=pad: ref(x, pad))
     report = tilecompile.report()
     assert report.graphs == 1, report
     assert report.counts["attention"] == 2, report
