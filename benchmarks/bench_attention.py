@@ -309,9 +309,8 @@ def padded(device, shapes: list[tuple[int, int]], repeats: int = 10) -> list[dic
 
 
 def _padded_case(device, valid: torch.Tensor, doc: torch.Tensor | None, repeats: int) -> dict:
-    from tilecompile.kernels import attention as K
-
     import tilecompile.ops.attention as OA
+    from tilecompile.kernels import attention as K
 
     (b, n), h, hkv, d = valid.shape, 12, 2, 128
 

@@ -3,7 +3,8 @@
 Methods: eager (verl's formulas: fp32 logits, log_softmax + gather, entropy = lse - Σ softmax·z), Inductor
 (torch.compile of that function), tilecompile's op (``linear_logprob_entropy``, automatic chunk and any
 ``--chunks``), and, when importable, Liger's fused linear CE (log-prob only), Apple's Cut Cross-Entropy (log-prob
-only) and verl's kernels (``VERL_SITE`` = an unpacked verl wheel; see /work/shared/anchors/README.md).
+only) and verl's kernels (``VERL_SITE`` = an unpacked verl wheel, carried to the GPU machine as the peers' wheels
+are).
 
 Modes: ``fwdbwd`` = forward + backward of sum(logp·g_lp) + sum(H·g_H) with random upstream grads; ``fwd`` = the
 no-grad forward (old / reference log-probs in RL). Time is the median of ``--reps`` CUDA-event timings after a

@@ -11,7 +11,7 @@ optimizer step). Every variant is ``torch.compile(step, backend="tilecompile", d
   trl        TRL's GRPO spelling: ``logits /= t``, ``trl.trainer.utils.selective_log_softmax`` and
              ``entropy_from_logits`` as installed. On CUDA, TRL 1.x sends them to its own Triton kernel when its
              checks pass; the fused_linear_ce pass reads those kernel calls as their math and fuses them
-             (``passes/library_kernels.py``; the report says how many fused calls it made)
+             (``passes/lm_head/library_kernels.py``; the report says how many fused calls it made)
   trl-torch  the same functions with TRL's kernel check answered "no", so they run TRL's torch code: a row-by-row
              log_softmax stacked (bf16) and the entropy of 128-row chunks concatenated, which the fused_linear_ce
              pass joins back into one fused call

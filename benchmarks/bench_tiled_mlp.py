@@ -11,7 +11,7 @@ Time: median of ``--reps`` fwd+bwd steps timed with CUDA events, after warm-up (
 Peak extra: ``max_memory_allocated`` during one step minus the memory allocated before it with inputs, weights and
 the upstream grad allocated and all grads None (so the new grads, dx and the output count as extra).
 ``peak_extra_anchor_gib`` is the same with the previous step's grads still allocated at the baseline, as
-shared/anchors/bench_mlp.py measures (the numbers in DESIGN.md).
+the project's anchor MLP benchmark (kept outside this repository) measures.
 
 usage: python benchmarks/bench_tiled_mlp.py [--ns 65536,8192,32768,131072] [--csv benchmarks/results/tiled_mlp.csv]
 """

@@ -49,7 +49,7 @@ own start (its imports: leave a margin under a GPU call's limit); the worker sti
 children, its length gets a row "cut by --budget", and the methods after it are skipped (printed, no row).
 ``--probe``: the first step and one timed step per length (the note says "single-step probe"), for lengths whose
 repeats would not fit a run. ``benchmarks/plot_e2e.py`` turns the CSV into a PNG and, with ``--table``, the
-README's Markdown tables.
+Markdown tables of benchmarks/RESULTS.md.
 
 usage: python benchmarks/e2e.py [--models 1.5b,8b] [--methods eager,inductor,liger,tilecompile]
            [--checkpointing on,off] [--lengths 4096,...,524288] [--dynamic] [--packed K] [--csv PATH] [--overwrite]

@@ -11,9 +11,10 @@ the latest date's row counts; older rows' missing columns read as their defaults
 ``withdrawn:`` (a measurement found wrong after the fact: the note says why) stays in the CSV and is left out of the
 plot and the table.
 
-``--table`` prints the README's Markdown instead: a line per (model, method, checkpointing, compile, batch, length)
-with tokens/s, peak GiB, TFLOP/s, MFU %, first step s, compiles and note (the env flags first); padded batches
-(rows > 1 or TRL's mask) in a table of their own, each table under a line of its GPUs, versions and dates.
+``--table`` prints the Markdown of benchmarks/RESULTS.md's whole-model table instead: a line per (model, method,
+checkpointing, compile, batch, length) with tokens/s, peak GiB, TFLOP/s, MFU %, first step s, compiles and note (the
+env flags first); padded batches (rows > 1 or TRL's mask) in a table of their own, each table under a line of its
+GPUs, versions and dates.
 
 usage: python benchmarks/plot_e2e.py [benchmarks/results/e2e.csv] [--out PNG] [--table]   (the PNG needs matplotlib)
 """

@@ -17,8 +17,9 @@ import statistics
 import torch
 import triton
 import triton.language as tl
-from tilecompile.kernels import fused_linear_ce as K
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from tilecompile.kernels import fused_linear_ce as K
 
 
 @triton.jit

@@ -17,6 +17,7 @@ import json
 
 import torch
 from bench_fused_linear_ce import _time as timed  # the same CUDA-event median (this script's folder is on sys.path)
+
 from tilecompile.kernels import fused_linear_ce as K
 
 RESULTS: list[dict] = []

@@ -13,10 +13,10 @@ import argparse
 
 import torch
 from bench_attention import _pad_rows  # this script's folder is on sys.path
-from tilecompile.kernels import attention as K
 from torch.profiler import ProfilerActivity, profile
 
 import tilecompile.ops.attention as OA
+from tilecompile.kernels import attention as K
 
 
 def _profile(fn, rows: int) -> None:

@@ -16,9 +16,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 from bench_attention import _time  # this script's folder is on sys.path
-from tilecompile.kernels import attention as K
 
 import tilecompile.ops.attention as OA
+from tilecompile.kernels import attention as K
 
 
 def main() -> None:

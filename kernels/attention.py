@@ -1,6 +1,6 @@
 """Masked attention without an [N, N] mask: the mask is evaluated per query block from per-token tensors.
 
-The mask family (what ``passes/attention_mask.py`` proves a graph's mask to be), for batch b, query i, key j:
+The mask family (what ``passes/attention/mask_algebra.py`` proves a graph's mask to be), for batch b, query i, key j:
 
     allowed(b, i, j) = lo <= c(b, i) - c(b, j) <= hi        c = pos[b, ·] when given, else the index itself
                        and doc[b, i] == doc[b, j]           when doc is given

@@ -9,7 +9,7 @@ The passes match meanings, but a few spellings are not meanings at all: Megatron
 ``torch.min(a, b)``, and Megatron-Core's Column/RowParallelLinear and its tensor-parallel region copies are
 ``torch.autograd.Function`` s (``autograd_function_apply`` in the graph) whose forward, at tensor-parallel world size 1,
 is ``x @ w.t()`` or ``x`` itself. After this pass the MLP pass sees the up projection, the loss-aware lm_head sees
-``minimum``, and every pass sees the linears (``passes/library_kernels.py`` reads the functions and proves each
+``minimum``, and every pass sees the linears (``passes/lm_head/library_kernels.py`` reads the functions and proves each
 backward is its forward's gradient; any other is left alone, and one met where a linear would be gets a reason).
 
 Checks for the literal identities, each keeping the node when it says no: the result has the operand's dtype
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from tilecompile.passes import library_kernels as LK
 
 from tilecompile import graph as G
-from tilecompile.pipeline import PassContext, PassResult
+from tilecompile.pass_api import PassContext, PassResult
+from tilecompile.passes.lm_head import library_kernels as LK
 
 NAME = "canonical"
 

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tilecompile import graph as G
 from tilecompile import reporting as R
-from tilecompile.pipeline import PassContext, PassResult, snapshot_graph
+from tilecompile.pass_api import PassContext, PassResult, snapshot_graph
 
 NAME = "layer_regions"
 _FLAT = "tilecompile_flat_graph"  # gm.meta key: the root graph before this pass (``undo``)

@@ -18,7 +18,7 @@ row-parallel linear's Partial output is reduced where it is made, so Partial nev
 An op the propagation rules do not know (or one that mixes the sharded dim, such as a sum over it) gets its
 sharded inputs all-gathered first (``gather_from_tp``): correct, slower, and reported. A vocab_colwise lm_head
 calls ``tilecompile::vocab_parallel_linear`` (so the code after it traces with the whole vocabulary); it becomes
-copy_to_tp -> local linear -> gather of the logits, and ``passes/fused_linear_ce.py`` (later in the pipeline) turns
+copy_to_tp -> local linear -> gather of the logits, and ``passes/lm_head/__init__.py`` (later in the pipeline) turns
 that gather followed by log-prob/entropy/CE into the vocab-parallel fused op. A tied input embedding of a
 vocab-parallel lm_head looks up its local rows (others masked to 0) and all-reduces.
 Sequence parallel: a replicated embedding's output is sliced along the sequence (gradient all-gathered), so the
@@ -50,7 +50,7 @@ from tilecompile import graph as G
 from tilecompile import parallel as P
 from tilecompile import reporting as R
 from tilecompile.ops import collectives as C
-from tilecompile.pipeline import PassContext, PassResult
+from tilecompile.pass_api import PassContext, PassResult
 
 NAME = "tensor_parallel"
 _DONE = "_tilecompile_tp_lowered"

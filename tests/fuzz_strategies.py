@@ -8,17 +8,17 @@ in float64 end to end.
 
 Spellings follow the passes' docstrings:
 
-- ``passes/fused_linear_ce.py``: lm_head linear (``nn.Linear`` / ``F.linear`` / ``h @ W.t()`` / ``matmul(h, W.T)``),
+- ``passes/lm_head/__init__.py``: lm_head linear (``nn.Linear`` / ``F.linear`` / ``h @ W.t()`` / ``matmul(h, W.T)``),
   optional ``.float()``, temperature (Python number: ``/ t``, ``* (1/t)``, ``.div(t)``, in-place ``.div_(t)``;
   or a 0-d tensor), optional shift (``logits[:, :-1]`` with ``labels[:, 1:]``), then log-prob
   (``log_softmax().gather()``, ``take_along_dim``, ``gather - logsumexp``, ``-cross_entropy(reduction="none")``),
   entropy (``lse - Σ p·z``, ``-Σ p·log p``, ``-Σ exp(logp)·logp``), both, or a CE / NLL loss (mean, sum).
-- ``passes/tiled_mlp.py``: ``down(act(gate(x)) * up(x))``, linears in any spelling (``nn.Linear``, ``F.linear``,
+- ``passes/mlp/dense.py``: ``down(act(gate(x)) * up(x))``, linears in any spelling (``nn.Linear``, ``F.linear``,
   ``x @ w.t()``, a separate bias add), SiLU / GELU (exact, tanh) / ReLU in their spellings, either order of the
   gate multiply, fused ``gate_up`` weights cut by ``chunk``, ``split`` or slicing (either half first).
-- ``passes/attention.py``: an SDPA mask computed from aranges and per-token tensors (causal, sliding window, padding,
-  packed documents, chunks; boolean or 0 / -inf), by hand or through transformers' ``sdpa_mask``; see the attention
-  section below.
+- ``passes/attention/__init__.py``: an SDPA mask computed from aranges and per-token tensors (causal, sliding window,
+  padding, packed documents, chunks; boolean or 0 / -inf), by hand or through transformers' ``sdpa_mask``; see the
+  attention section below.
 """
 
 from __future__ import annotations
@@ -615,7 +615,7 @@ def init_(module: nn.Module, gen: torch.Generator, scale: float) -> None:
 
 # ------------------------------------------------------------------------------------------------ attention
 
-# passes/attention.py: an SDPA mask built from aranges and per-token [B, N] tensors, read by what it computes.
+# passes/attention/__init__.py: an SDPA mask built from aranges and per-token [B, N] tensors, read by what it computes.
 # Atoms (each in several spellings), ANDed in several spellings: causal c_q - c_kv >= offset (c: the index, or
 # position_ids), a sliding window c_q - c_kv < W (both sides when not causal), padding read on the key axis,
 # documents (ids, or found from position_ids restarting, as HF does) and chunks (index // C, per token). Masks are

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tilecompile.kernels import attention as K
 
 import tilecompile.ops.attention as OA
+from tilecompile.kernels import attention as K
 
 
 def _allowed(lq, lk, causal, left, right):

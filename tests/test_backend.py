@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -308,17 +307,19 @@ def test_inductor_caches_are_keyed_by_tilecompile_source(monkeypatch, tmp_path):
         torch.compile(Tiny(), backend="tilecompile", options={"inner": "inductor"})(torch.randn(2, 8))
         assert seen == [f"user-tag|{backend.cache_tag()}"]
         assert torch.compiler.config.cache_key_tag == "user-tag"
-    # the digest covers every source file of the package: a copy with one byte changed hashes differently
-    import tilecompile.ops as ops_pkg
+    # the digest covers every source file of the passes, their packages' stages included: a copy with one byte
+    # changed in a stage hashes differently
+    import shutil
 
-    for src in pathlib.Path(ops_pkg.__path__[0]).glob("*.py"):
-        (tmp_path / src.name).write_bytes(src.read_bytes())
+    import tilecompile.passes as passes_pkg
+
+    shutil.copytree(passes_pkg.__path__[0], tmp_path / "passes", ignore=shutil.ignore_patterns("__pycache__"))
     before = backend.cache_tag()
-    monkeypatch.setattr(ops_pkg, "__path__", [str(tmp_path)])
+    monkeypatch.setattr(passes_pkg, "__path__", [str(tmp_path / "passes")])
     backend.cache_tag.cache_clear()
     try:
         assert backend.cache_tag() == before  # the same bytes elsewhere: the same digest
-        with open(tmp_path / "fused_linear_ce.py", "ab") as fh:
+        with open(tmp_path / "passes" / "lm_head" / "rewrite.py", "ab") as fh:
             fh.write(b"\n")
         backend.cache_tag.cache_clear()
         assert backend.cache_tag() != before

@@ -11,11 +11,11 @@ import pytest
 import test_pass_fused_linear_ce as CE
 import test_pass_tiled_mlp as MLP
 import torch
-from tilecompile.passes import fused_linear_ce, tiled_mlp
 
 import tilecompile
 from tilecompile import config, pipeline
 from tilecompile import reporting as R
+from tilecompile.passes import lm_head, mlp
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +31,7 @@ def _strict(monkeypatch):
 def ledger(monkeypatch):
     """The PassResult of every run of the lm_head and MLP passes: (pass name, looked at, decided)."""
     seen = []
-    for module in (fused_linear_ce, tiled_mlp):
+    for module in (lm_head, mlp):
 
         def spy(gm, ctx, _run=module.run, _name=module.NAME):
             result = _run(gm, ctx)
@@ -50,7 +50,7 @@ def _dropping_pass(gm, ctx):
 
 @pytest.mark.parametrize("strict", [True, False])
 def test_pipeline_catches_a_candidate_dropped_without_a_reason(monkeypatch, strict):
-    monkeypatch.setattr(fused_linear_ce, "run", _dropping_pass)
+    monkeypatch.setattr(lm_head, "run", _dropping_pass)
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     settings = config.load({"strict": strict, "tiled_mlp": False, "attention": False}, environ={})
     if strict:

@@ -241,7 +241,7 @@ def _torch_2_11_linear_graph():
 def test_torch_2_11_extra_result_that_is_read_keeps_the_call(reader):
     """The extra results are set aside only while nothing reads them: one the outer graph uses (a side effect's
     value) or whose gradient the backward reads keeps the call, with a reason."""
-    from tilecompile.passes import library_kernels as LK
+    from tilecompile.passes.lm_head import library_kernels as LK
 
     gm, call = _torch_2_11_linear_graph()
     if reader == "outer graph":

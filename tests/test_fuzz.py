@@ -945,6 +945,7 @@ def emulated_flash(on: bool):
     from unittest import mock
 
     from test_attention_packed import EMULATED
+
     from tilecompile.kernels import attention as K
 
     with contextlib.ExitStack() as stack:

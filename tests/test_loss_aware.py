@@ -14,9 +14,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from helpers import assert_close, compile_options, no_fallback, rel_err
-from tilecompile.kernels import fused_linear_ce as K
 
 import tilecompile
+from tilecompile.kernels import fused_linear_ce as K
 from tilecompile.ops import fused_linear_ce as O
 
 B, T, D, V = 3, 11, 16, 37
@@ -488,9 +488,8 @@ def test_compiled_per_token_gradient_with_inductor_on_cpu():
 
 
 def test_grad_compile_setting_picks_the_backend():
-    from tilecompile.passes.fused_linear_ce import _grad_backend
-
     from tilecompile import config
+    from tilecompile.passes.lm_head import _grad_backend
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     auto = config.load({}, environ={})
@@ -540,7 +539,7 @@ def test_bf16_on_gpu_against_float64(grad_backend):
 
 def test_checkpoint_policy_has_a_stable_cache_hash():
     """AOTAutograd's cache bypasses a graph whose selective-checkpoint context_fn has no cache_hash."""
-    from tilecompile.passes import fused_linear_ce as P
+    from tilecompile.passes import lm_head as P
 
     a, b = P._saves_loss_aware_op(), P._saves_loss_aware_op()
     assert a.cache_hash == b.cache_hash and a.cache_hash.startswith("tilecompile-")

@@ -2,7 +2,7 @@
 
 Tiny model (hidden 64, 2 layers, vocab 512, fp32) at tensor-parallel world size 1 over gloo. mcore's linears, its
 tensor-parallel region copies and its vocab-parallel cross-entropy are autograd.Functions; the backend reads them
-as the math they compute (passes/library_kernels.py), so each layer's MLP is tiled and the lm_head fused, on the
+as the math they compute (passes/lm_head/library_kernels.py), so each layer's MLP is tiled and the lm_head fused, on the
 logits path (PPO loss on log-probs and entropy) and on the ``labels=`` path (mcore's own per-token CE; a target
 outside the vocabulary is a clear error). Loss and every parameter gradient equal eager's (fp32, relative 1e-5).
 
@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_close, compile_options, torch_2_11_form_backend
-from tilecompile.passes import library_kernels as LK
 
 import tilecompile
+from tilecompile.passes.lm_head import library_kernels as LK
 
 pytest.importorskip("megatron.core")
 

@@ -1,6 +1,6 @@
 """MoE experts (HF transformers 5's grouped experts: stacked ``gate_up_proj`` [E, 2I, D] / ``down_proj`` [E, D, I] run
 by ``grouped_mm`` over the routed rows sorted by expert) through the backend: the tiled_mlp pass rewrites them into
-``tilecompile::tiled_grouped_mlp`` (tilecompile/ops/tiled_grouped_mlp.py, passes/tiled_mlp_experts.py), the step
+``tilecompile::tiled_grouped_mlp`` (tilecompile/ops/tiled_grouped_mlp.py, passes/mlp/experts.py), the step
 equals eager's, the op saves less than eager's experts, and the forms it does not tile keep a reason."""
 
 from __future__ import annotations

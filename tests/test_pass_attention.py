@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_close, assert_grads_close, compile_options
-from tilecompile.kernels import attention as K
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tilecompile
 import tilecompile.ops.attention  # noqa: F401
+from tilecompile.kernels import attention as K
 
 transformers = pytest.importorskip("transformers")
 

@@ -1203,9 +1203,8 @@ def test_temperature_not_above_zero_is_skipped_with_reason(spelling, how):
 def test_out_of_range_label_raises_eagers_type_without_the_sentinel(spelling, eager_type):
     """issue 21: the op's error for a label outside [0, V) names no internal ignore_index sentinel and is of the type
     eager raises (RuntimeError for gather, IndexError for cross_entropy); still a ValueError, as the op's others."""
-    from tilecompile.passes.fused_linear_ce_rewrite import _NO_IGNORE
-
     from tilecompile.ops.fused_linear_ce import NO_IGNORE, LabelOutOfRange
+    from tilecompile.passes.lm_head.rewrite import _NO_IGNORE
 
     assert NO_IGNORE == _NO_IGNORE
     model = Head(spelling)

@@ -387,8 +387,8 @@ def check_vocab_parallel_op(rank, world):
     """The vocab-parallel op alone (eager, odd sizes, ignored rows, temperature): log-prob, entropy and the grads of
     h (summed across ranks) and of this rank's weight rows equal the unfused formula on the whole vocabulary."""
     from helpers import assert_close
-    from tilecompile.kernels.fused_linear_ce import reference_logprob_entropy
 
+    from tilecompile.kernels.fused_linear_ce import reference_logprob_entropy
     from tilecompile.ops.fused_linear_ce import vocab_parallel_logprob
 
     g = torch.Generator().manual_seed(3)

@@ -126,11 +126,12 @@ def cache_tag() -> str:
     import tilecompile
 
     digest = hashlib.sha256()
-    for pkg in ("", ".ops", ".passes", ".kernels"):
+    for pkg in ("", ".passes", ".kernels"):  # each folder with its subpackages (tilecompile/ holds ops/)
         module = __import__(f"tilecompile{pkg}", fromlist=["_"]) if pkg else tilecompile
-        for path in sorted(pathlib.Path(p) for d in module.__path__ for p in pathlib.Path(d).glob("*.py")):
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
+        for d in module.__path__:
+            for path in sorted(pathlib.Path(d).rglob("*.py")):  # the pass packages' stages included
+                digest.update(str(path.relative_to(d)).encode())
+                digest.update(path.read_bytes())
     return "tilecompile-" + digest.hexdigest()[:16]
 
 

@@ -8,7 +8,7 @@ dense masked attention. ``notes(gm)`` looks for the ends of such regions in one 
 
 - a linear whose output is (a view, cast or scaling of) a graph output, looks like an lm_head (module named
   ``lm_head`` / ``output`` / ``embed_out``, or out_features >= 8 x in_features) and feeds no softmax here (where
-  one does, ``passes/fused_linear_ce.py`` judges it): the logits leave the graph;
+  one does, ``passes/lm_head/__init__.py`` judges it): the logits leave the graph;
 - a graph input read by log_softmax / logsumexp / softmax / cross-entropy over its last dim: logits enter it;
 - an SDPA whose ``attn_mask`` is a graph input: the mask was built in an earlier graph.
 

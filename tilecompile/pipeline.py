@@ -9,9 +9,7 @@ candidate a pass looked at (``PassResult.consider``) must end in a rewrite or a 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import importlib
 import logging
 import time
 import warnings
@@ -24,13 +22,15 @@ from tilecompile import graph as G
 from tilecompile import reporting as R
 from tilecompile.config import Settings
 from tilecompile.ops import own_autograd
+from tilecompile.pass_api import EXPECTED, PassContext, PassResult, snapshot_graph
+from tilecompile.passes import attention, canonical, layer_regions, lm_head, mlp, tensor_parallel
 
 log = logging.getLogger("tilecompile")
 
 # canonical first: it rewrites spellings that hide a value (x + 0.0, torch.min(a, b), a linear autograd.Function);
 # layer_regions last: it compares the checkpoint bodies as the other passes left them
-PASS_ORDER = ("canonical", "tensor_parallel", "attention", "fused_linear_ce", "tiled_mlp", "layer_regions")
-_EXPECTED = "tilecompile_expected"
+PASSES = {p.NAME: p for p in (canonical, tensor_parallel, attention, lm_head, mlp, layer_regions)}
+PASS_ORDER = tuple(PASSES)
 
 
 @dataclasses.dataclass
@@ -70,50 +70,8 @@ class PassFailed(RuntimeError):
     """A pass raised or produced a graph that failed its checks (raised only in strict mode)."""
 
 
-@dataclasses.dataclass
-class PassContext:
-    settings: Settings
-    graph_name: str = "<root>"
-
-
-@dataclasses.dataclass
-class PassResult:
-    rewrites: list[R.Rewrite] = dataclasses.field(default_factory=list)
-    skipped: list[R.Skip] = dataclasses.field(default_factory=list)
-    # the candidates a pass looked at (``consider``) and those it decided, by a rewrite or a skip with its reason:
-    # the pipeline checks that none was dropped without a reason (strict: PassFailed)
-    looked_at: dict[Any, str] = dataclasses.field(default_factory=dict)
-    decided: set[Any] = dataclasses.field(default_factory=set)
-
-    def consider(self, key: Any, candidate: str) -> None:
-        """``key`` (e.g. the candidate's anchor node) must end in ``rewrote`` or ``skip`` before the pass returns."""
-        self.looked_at[key] = candidate
-
-    def rewrote(self, key: Any, rewrite: R.Rewrite) -> None:
-        self.rewrites.append(rewrite)
-        self.decided.add(key)
-
-    def skip(self, key: Any, skip: R.Skip) -> None:
-        self.skipped.append(skip)
-        self.decided.add(key)
-
-    def undecided(self) -> list[str]:
-        return [what for key, what in self.looked_at.items() if key not in self.decided]
-
-    def extend(self, other: PassResult) -> None:
-        self.rewrites += other.rewrites
-        self.skipped += other.skipped
-        self.looked_at.update(other.looked_at)
-        self.decided |= other.decided
-
-
-def expect(node: fx.Node, value: Any) -> None:
-    """Declare what a newly inserted node must produce (a fake tensor, or a tuple of them)."""
-    node.meta[_EXPECTED] = value
-
-
 def load_pass(name: str):
-    return importlib.import_module(f"tilecompile.passes.{name}")
+    return PASSES[name]
 
 
 def run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str = "graph") -> fx.GraphModule:
@@ -129,7 +87,7 @@ def _run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str) -> fx.G
         if not settings.pass_enabled(name):
             log.debug("pass %s is off", name)
             # a pass whose absence would make the graph wrong says so (tensor parallel on sharded parameters)
-            check_off = getattr(importlib.import_module(f"tilecompile.passes.{name}"), "check_off", None)
+            check_off = getattr(PASSES[name], "check_off", None)
             if check_off is not None:
                 check_off(gm)
             continue
@@ -176,16 +134,6 @@ def _run_pass(gm: fx.GraphModule, name: str, settings: Settings, graph_name: str
         log.info("%s skipped %s at %s: %s", name, s.candidate, s.module_path or "<root>", s.reason)
 
 
-def snapshot_graph(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` whose nodes keep the extra attributes Dynamo sets on them (``_dynamo_source`` ...)."""
-    saved = copy.deepcopy(graph)
-    for old, new in zip(graph.nodes, saved.nodes):
-        for key, value in vars(old).items():
-            if key not in vars(new):
-                setattr(new, key, value)
-    return saved
-
-
 def _restore(gm: fx.GraphModule, saved: dict[str, fx.Graph]) -> None:
     for sub_name, sub in G.graph_modules(gm):
         if sub_name in saved:
@@ -196,9 +144,9 @@ def _restore(gm: fx.GraphModule, saved: dict[str, fx.Graph]) -> None:
 def check_rewritten_nodes(gm: fx.GraphModule) -> None:
     """Fake-run every node a pass marked with ``expect``; its shapes and dtypes must match the expectation."""
     for node in gm.graph.nodes:
-        if _EXPECTED not in node.meta:
+        if EXPECTED not in node.meta:
             continue
-        expected = node.meta.pop(_EXPECTED)
+        expected = node.meta.pop(EXPECTED)
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: G.example_value(n))
         # The mode the example values belong to: under Dynamo the tracing context may hold a different one (the
         # backend's), and fake tensors of two modes cannot be mixed.
@@ -218,8 +166,8 @@ def check_rewritten_nodes(gm: fx.GraphModule) -> None:
         for user in node.users:
             if G.op(user) == "getitem" and isinstance(actual, tuple | list):
                 item = actual[user.args[1]]
-                if _EXPECTED in user.meta:
-                    _compare(user, item, user.meta.pop(_EXPECTED))
+                if EXPECTED in user.meta:
+                    _compare(user, item, user.meta.pop(EXPECTED))
                 user.meta["example_value"] = item
 
 

@@ -78,7 +78,7 @@ def _check_static(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, t
 
 
 # ignore_index for labels that have none (a gathered log-prob): no label equals it, so every label outside [0, V) is
-# an error, as eager's gather raises. passes/fused_linear_ce_rewrite.py gives it to a gather's labels.
+# an error, as eager's gather raises. passes/lm_head/rewrite.py gives it to a gather's labels.
 NO_IGNORE = -(2**63)
 
 
@@ -469,8 +469,8 @@ _lib.impl("fused_linear_logprob_ext", _fused_linear_logprob_ext, "CompositeImpli
 
 # ------------------------------------------------------------------------------------------- loss-aware mode
 
-# loss key -> the traced loss function F(logp, entropy, *extras) -> scalar loss S (passes/loss_aware.py builds it
-# from the graph). A custom op cannot take a callable; it takes the key. Keys are digests of F's code, so a graph
+# loss key -> the traced loss function F(logp, entropy, *extras) -> scalar loss S (passes/lm_head/loss_aware.py builds
+# it from the graph). A custom op cannot take a callable; it takes the key. Keys are digests of F's code, so a graph
 # compiled in another process (Inductor's cache) finds the same F once the pass has run there too.
 _LOSS_FNS: dict[int, Any] = {}
 

@@ -4,7 +4,7 @@ With z = h·Wᵀ / t: logp = z_y − logsumexp(z), H = logsumexp(z) − Σ softm
 all from ``tilecompile::fused_linear_logprob(h, W, labels, t, ignore_index, with_entropy)``, which never builds z.
 
 Find: every linear (``graph.as_linear``) is followed forward through its *chain* (casts, temperature, views and
-leading-dim slices of the [..., V] logits) into an abstract algebra over the vocabulary (``passes/lm_head_algebra.py``):
+leading-dim slices of the [..., V] logits) into an abstract algebra over the vocabulary (``passes/lm_head/algebra.py``):
 a value is the logits chain, a vocab-sized linear form ``a·z + b·lse + c`` (log_softmax is ``z − lse``), the same times
 ``softmax(z)``, or a per-row combination of lse, z_y (gather), Σp·z (sum of p times a form) and masked CE terms. Any
 spelling that reduces to these forms matches: ``log_softmax(z).gather(y)``, ``z.gather(y) − logsumexp(z)``,
@@ -18,7 +18,7 @@ partition the rows (a row twice, a row left out, out of order, read before writt
 Check: a per-row value that leaves the region must be ``α·logp + β·H + γ·lse (+ const)`` (lse, for a z-loss, is an
 output of the op);
 logits or vocab-sized values must not leave it (returned, argmax, sampling, ...). Each check returns a reason.
-Rewrite (``passes/fused_linear_ce_rewrite.py``): views/slices on the logits are replayed on h (``logits[:, :-1]``
+Rewrite (``passes/lm_head/rewrite.py``): views/slices on the logits are replayed on h (``logits[:, :-1]``
 becomes ``h[:, :-1]``), one op call per (logits view, labels, ignore_index), and each escaping value is rebuilt from
 logp / entropy and cast back to the dtype it had. Mean CE is ``−Σ logp / count(labels != ignore_index)`` (0/0 = nan, as
 ``F.cross_entropy``).
@@ -47,17 +47,17 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from tilecompile.passes import fused_linear_ce_rewrite as RW
-from tilecompile.passes import library_kernels as LK
-from tilecompile.passes import lm_head_algebra as A
-from tilecompile.passes import loss_aware as LA
-
-# tests import these from the pass: the loss-aware op's backend choice and its checkpoint policy
-from tilecompile.passes.fused_linear_ce_rewrite import _grad_backend, _saves_loss_aware_op  # noqa: F401
 
 from tilecompile import graph as G
 from tilecompile import reporting as R
-from tilecompile.pipeline import PassContext, PassResult, snapshot_graph
+from tilecompile.pass_api import PassContext, PassResult, snapshot_graph
+from tilecompile.passes.lm_head import algebra as A
+from tilecompile.passes.lm_head import library_kernels as LK
+from tilecompile.passes.lm_head import loss_aware as LA
+from tilecompile.passes.lm_head import rewrite as RW
+
+# tests import these from the pass: the loss-aware op's backend choice and its checkpoint policy
+from tilecompile.passes.lm_head.rewrite import _grad_backend, _saves_loss_aware_op  # noqa: F401
 
 NAME = RW.NAME
 
@@ -303,7 +303,7 @@ def _row_reason(node: fx.Node, v: A.Row) -> str | None:
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite every lm_head region of ``gm`` that passes the checks; report the others with their reasons.
 
-    Known library kernels of the same math (TRL's Triton log-prob / entropy, ``passes/library_kernels.py``) are
+    Known library kernels of the same math (TRL's Triton log-prob / entropy, ``passes/lm_head/library_kernels.py``) are
     first read as their torch math; that expansion is kept only if every one of them is fused, otherwise the graph
     goes back to the kernels (better than the plain math) and the pass runs again without expanding them."""
     kernels = LK.find(gm)

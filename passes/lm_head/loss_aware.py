@@ -15,7 +15,7 @@ per-token values, with logits-free coefficients). ``grad`` says whether the valu
 and integer casts do not). Detached values and values computed under no_grad are sinks: they take no gradient.
 Check: exactly one grad-carrying value is used outside the algebra (that is S), it is a scalar, and what F reads
 besides the log-prob and entropy does not depend on any lm_head's logits. Each check returns a reason.
-(The rewrite, in ``passes/fused_linear_ce.py``, extracts F from the rewritten graph and adds the op's zero-valued
+(The rewrite, in ``passes/lm_head/__init__.py``, extracts F from the rewritten graph and adds the op's zero-valued
 anchor to S: S's gradient then flows into the op's saved dh and dW.)
 """
 

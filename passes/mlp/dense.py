@@ -17,7 +17,7 @@ edge inside the region; at least ``mlp_min_tokens`` tokens (a symbolic count is 
 
 MoE experts over stacked [E, ...] weights, run as grouped matmuls (HF transformers 5's default for Mixtral,
 Qwen3-MoE, ...) or as batched matmuls of per-row gathered weights (HF's ``batched_mm``), are this pass's too:
-``tiled_mlp_experts.py`` rewrites them into ``tilecompile::tiled_grouped_mlp`` (switched by ``mlp_experts``), or
+``passes/mlp/experts.py`` rewrites them into ``tilecompile::tiled_grouped_mlp`` (switched by ``mlp_experts``), or
 gives each a reason.
 
 Not matched (left to Inductor): GELU spelled out as tanh arithmetic (HF ``gelu_new``), LoRA-style adapters added
@@ -39,10 +39,10 @@ import tilecompile.ops.tiled_mlp  # noqa: F401 - registers torch.ops.tilecompile
 from tilecompile import graph as G
 from tilecompile import reporting as R
 from tilecompile.config import Settings
-from tilecompile.pipeline import PassContext, PassResult, expect
+from tilecompile.pass_api import PassContext, PassResult, expect
+from tilecompile.passes.mlp import common as C
 
-NAME = "tiled_mlp"
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+NAME, ACTIVATIONS = C.NAME, C.ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,25 +80,10 @@ class GatedMLP:
 # ------------------------------------------------------------------------------------------------------ find
 
 
-def _plus_zero(node: fx.Node) -> fx.Node:
-    """``v + 0.0`` (or ``0 + v``, ``v - 0``) is ``v`` itself: Megatron-Core's GLU adds ``glu_linear_offset`` (0.0
-    by default) to the up projection. Adding a literal zero changes no value but the sign of a zero, and its
-    gradient is the identity, so the tiled op (which leaves it out) computes the same function."""
-    name = G.op(node)
-    if name not in ("add", "sub") or len(node.args) != 2 or node.kwargs:
-        return node
-    a, b = node.args
-    zero = [t for t in (a, b) if isinstance(t, int | float) and not isinstance(t, bool) and t == 0]
-    tensor = [t for t in (a, b) if isinstance(t, fx.Node)]
-    if len(zero) != 1 or len(tensor) != 1 or (name == "sub" and b is not zero[0]):
-        return node
-    return tensor[0]
-
-
 def as_projection(node: object) -> Projection | None:
     if not isinstance(node, fx.Node):
         return None
-    node = _plus_zero(node)
+    node = C.plus_zero(node)
     lin = G.as_affine(node)
     if lin is not None:
         return Projection(node, lin)
@@ -272,13 +257,6 @@ def check_dtypes(m: GatedMLP) -> str | None:
     return None
 
 
-def check_no_autocast_edge(m: GatedMLP, order: dict[fx.Node, int], markers: list[int]) -> str | None:
-    lo, hi = min(order[n] for n in m.region), order[m.down.node]
-    if any(lo <= i <= hi for i in markers):
-        return "an autocast block starts or ends inside the MLP (its linears would run in different dtypes)"
-    return None
-
-
 def check_min_tokens(m: GatedMLP, min_tokens: int) -> str | None:
     if not min_tokens:
         return None
@@ -322,7 +300,7 @@ def rewrite(gm: fx.GraphModule, m: GatedMLP, ctx: PassContext) -> R.Rewrite:
     graph, end = gm.graph, m.down.node
     compute = G.dtype(end)
     fake_mode = getattr(G.example_value(end), "fake_mode", None) or contextlib.nullcontext()
-    stack = _common_stack(m.region)
+    stack = C.common_stack(m.region)
     new_nodes: list[fx.Node] = []
 
     def add(target, *args, method: bool = False, **kwargs) -> fx.Node:
@@ -369,27 +347,8 @@ def rewrite(gm: fx.GraphModule, m: GatedMLP, ctx: PassContext) -> R.Rewrite:
             node.meta["stack_trace"] = end.meta["stack_trace"]
     expect(tiled, G.example_value(end))
     end.replace_all_uses_with(tiled)
-    _erase_dead(graph, m.region)
+    C.erase_dead(graph, m.region)
     return _record(m, compute, s)
-
-
-def _erase_dead(graph: fx.Graph, nodes: frozenset[fx.Node]) -> None:
-    for node in reversed(list(graph.nodes)):  # users before producers
-        if node in nodes and not node.users:
-            graph.erase_node(node)
-
-
-def _common_stack(nodes: frozenset[fx.Node]) -> list[tuple[str, object]]:
-    stacks = [list(n.meta["nn_module_stack"].items()) for n in nodes if n.meta.get("nn_module_stack")]
-    if not stacks:
-        return []
-    common = stacks[0]
-    for other in stacks[1:]:
-        k = 0
-        while k < min(len(common), len(other)) and common[k][0] == other[k][0]:
-            k += 1
-        common = common[:k]
-    return common
 
 
 def _record(m: GatedMLP, compute: torch.dtype, s: Settings) -> R.Rewrite:
@@ -400,7 +359,7 @@ def _record(m: GatedMLP, compute: torch.dtype, s: Settings) -> R.Rewrite:
     shapes["down_weight"] = G.shape(m.down.weight)
     if m.fused:
         shapes["gate_up_weight"] = G.shape(m.gate.linear.weight)
-    shapes = {k: tuple(_size(i) for i in v) for k, v in shapes.items()}
+    shapes = {k: tuple(C.size(i) for i in v) for k, v in shapes.items()}
     dtypes = {"x": str(G.dtype(m.x)), "weight": str(G.dtype(m.down.weight)), "compute": str(compute)}
     biases = [r for r, lin in (("gate", m.gate.linear), ("up", m.up.linear), ("down", m.down)) if lin.bias is not None]
     detail = (
@@ -409,29 +368,17 @@ def _record(m: GatedMLP, compute: torch.dtype, s: Settings) -> R.Rewrite:
     )
     if dtypes["x"] != dtypes["compute"] or dtypes["weight"] != dtypes["compute"]:
         detail += f" autocast: inputs cast to {compute}"
-    return R.Rewrite(NAME, _path(m.region), shapes, dtypes, detail)
-
-
-def _size(s):
-    h = G.hint(s)
-    return s if h is None else h
-
-
-def _path(nodes) -> str:
-    return G.common_module_path(n for n in nodes if isinstance(n, fx.Node))
+    return R.Rewrite(NAME, C.path(m.region), shapes, dtypes, detail)
 
 
 # ------------------------------------------------------------------------------------------------------- run
 
 
-def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    result = PassResult()
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    markers = [i for n, i in order.items() if G.is_autocast_marker(n)]
-    # imported here: tiled_mlp_experts reads this module's helpers (a module-level import would be a cycle)
-    from tilecompile.passes import tiled_mlp_experts
-
-    changed = tiled_mlp_experts.run(gm, ctx, result, order, markers)
+def run_dense(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: dict, markers: list[int]) -> bool:
+    """The dense stage: each gated MLP rewritten or skipped with its reason (into ``result``); True if the graph
+    changed. ``order`` (node -> position, the experts stage's rewrites included) and ``markers`` (positions of
+    autocast edges) are the pass's."""
+    changed = False
     for node in list(gm.graph.nodes):
         if node not in order:
             continue
@@ -446,19 +393,17 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 check_inside_region,
                 check_shapes,
                 check_dtypes,
-                lambda m: check_no_autocast_edge(m, order, markers),
+                lambda m: C.check_no_autocast_edge(m, order, markers),
                 lambda m: check_min_tokens(m, ctx.settings.mlp_min_tokens),
             )
             reason = next((r for r in (c(m) for c in checks) if r), None)
         candidate = f"down projection {G.module_path(node) or node.name}"
         result.consider(node, candidate)
         if reason is not None:
-            path = _path(m.region) if isinstance(m, GatedMLP) else _path([node, *node.args[:1]])
+            path = C.path(m.region) if isinstance(m, GatedMLP) else C.path([node, *node.args[:1]])
             result.skip(node, R.Skip(NAME, candidate, path, reason))
             continue
         result.rewrote(node, rewrite(gm, m, ctx))
         order.update({n: order[m.down.node] for n in gm.graph.nodes if n not in order})
         changed = True
-    if changed:
-        gm.recompile()
-    return result
+    return changed

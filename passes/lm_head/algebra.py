@@ -14,7 +14,7 @@ value (``Region.values``):
 Parts of the rows (``z[i]``, ``z[a:b]``, ``split``/``chunk``/``unbind``/``narrow`` along a leading dim) joined back
 by ``torch.cat`` / ``torch.stack``, or written into a fresh buffer whose every row is written once before it is
 read, are that math on all the rows; parts that do not partition the rows raise ``Reject`` with the reason. What
-this module does not understand it leaves without a value: it is then outside the region (``passes/fused_linear_ce.py``
+this module does not understand it leaves without a value: it is then outside the region (``passes/lm_head/__init__.py``
 checks what leaves the region and rewrites it).
 """
 

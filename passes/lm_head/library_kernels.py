@@ -10,7 +10,7 @@ body launches ``_forward_kernel`` (under grad), or as that launch writing into e
 Find: such a call, known by the kernel's module and name and read through its parameter names. Expand: the same
 math in torch ops (``log_softmax`` / ``gather``, ``−Σ softmax·log_softmax``, ``where`` for the row mask) in
 the kernel's place. The kernel itself reads the whole [..., V] logits but stores only per-row values, so the plain
-math is worse unless the lm_head pass fuses it: ``passes/fused_linear_ce.py`` keeps an expansion only when it does.
+math is worse unless the lm_head pass fuses it: ``passes/lm_head/__init__.py`` keeps an expansion only when it does.
 Megatron-Core's vocab-parallel cross-entropy is read the same way (its section below).
 
 Also here, for ``passes/canonical.py``: autograd.Functions read as a linear or the identity (``read_function``,

@@ -45,14 +45,14 @@ import operator
 
 import torch
 import torch.fx as fx
-from tilecompile.passes import tiled_mlp as dense
 
 import tilecompile.ops.tiled_grouped_mlp  # noqa: F401 - registers torch.ops.tilecompile.tiled_grouped_mlp
 from tilecompile import graph as G
 from tilecompile import reporting as R
-from tilecompile.pipeline import PassContext, PassResult, expect
+from tilecompile.pass_api import PassContext, PassResult, expect
+from tilecompile.passes.mlp import common as C
 
-NAME = dense.NAME
+NAME = C.NAME
 _GROUPED_MM = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
 
 
@@ -194,7 +194,7 @@ def as_grouped_projection(node: object) -> GroupedProjection | None:
     the slice)."""
     if not isinstance(node, fx.Node):
         return None
-    node = dense._plus_zero(node)
+    node = C.plus_zero(node)
     read = node
     fill = as_zero_fill(node)
     node, mask = fill if fill is not None else (node, None)
@@ -247,7 +247,7 @@ def match(node: fx.Node) -> GroupedMLP | str | None:
             return GroupedMLP(down, h, act, gate, up, _region(node, down, gate, up))
     if reasons:
         return reasons[0]
-    return f"gate multiply of the down grouped_mm: neither factor is {'/'.join(dense.ACTIVATIONS)} of a grouped_mm"
+    return f"gate multiply of the down grouped_mm: neither factor is {'/'.join(C.ACTIVATIONS)} of a grouped_mm"
 
 
 def _region(end: fx.Node, down: GroupedMM, gate: GroupedProjection, up: GroupedProjection) -> frozenset[fx.Node]:
@@ -414,7 +414,7 @@ def check_min_rows(m: GroupedMLP, min_tokens: int) -> str | None:
 def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> R.Rewrite:
     graph, end = gm.graph, m.down.node
     fake_mode = getattr(G.example_value(end), "fake_mode", None) or contextlib.nullcontext()
-    stack = dense._common_stack(m.region)
+    stack = C.common_stack(m.region)
     new_nodes: list[fx.Node] = []
 
     def add(target, *args, method: bool = False, **kwargs) -> fx.Node:
@@ -439,7 +439,7 @@ def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> R.Rewrite:
         down_w = m.down.weight if m.down.form == "grouped" else add("transpose", m.down.weight, -2, -1, method=True)
         x, offsets = m.x, m.down.offs
         if m.down.form == "gathered":  # rows in expert order, their cumulative counts; back to row order after
-            ids, experts = m.down.offs, dense._size(G.shape(m.down.weight)[0])
+            ids, experts = m.down.offs, C.size(G.shape(m.down.weight)[0])
             perm = add(torch.argsort, ids, stable=True)
             zeros, ones = add("new_zeros", ids, (experts,), method=True), add(torch.ones_like, ids)
             counts = add("scatter_add", zeros, 0, ids, ones, method=True)
@@ -460,7 +460,7 @@ def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> R.Rewrite:
             node.meta["stack_trace"] = end.meta["stack_trace"]
     expect(out, G.example_value(end))
     end.replace_all_uses_with(out)
-    dense._erase_dead(graph, m.region)
+    C.erase_dead(graph, m.region)
     return _record(m, s)
 
 
@@ -473,7 +473,7 @@ def _record(m: GroupedMLP, s) -> R.Rewrite:
     shapes["down_weight"] = (experts, m.down.in_features, m.down.out_features)
     if m.fused:
         shapes["gate_up_weight"] = G.shape(G.graph_input(m.gate.mm.weight))
-    shapes = {k: tuple(dense._size(i) for i in v) for k, v in shapes.items()}
+    shapes = {k: tuple(C.size(i) for i in v) for k, v in shapes.items()}
     compute = str(G.dtype(m.down.node))
     dtypes = {"x": str(G.dtype(m.x)), "weight": str(G.dtype(m.down.weight)), "compute": compute}
     rows = (
@@ -482,18 +482,18 @@ def _record(m: GroupedMLP, s) -> R.Rewrite:
         else f"rows=gathered (expert ids {m.down.offs.name}, sorted into groups)"
     )
     detail = (
-        f"experts={dense._size(experts)} {rows} activation={m.act.kind} fused={'gate_up' if m.fused else 'no'} "
+        f"experts={C.size(experts)} {rows} activation={m.act.kind} fused={'gate_up' if m.fused else 'no'} "
         f"chunk_tokens={s.mlp_chunk_tokens or 'auto'} budget_mb={s.mlp_chunk_budget_mb} grad_accum={s.mlp_grad_accum}"
     )
     if m.mask is not None:
         detail += f" row_mask={m.mask.name} (its rows' gate and up zero-filled in the op)"
-    return R.Rewrite(NAME, dense._path(m.region), shapes, dtypes, detail)
+    return R.Rewrite(NAME, C.path(m.region), shapes, dtypes, detail)
 
 
 # ------------------------------------------------------------------------------------------------------- run
 
 
-def run(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: dict, markers: list[int]) -> bool:
+def run_experts(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: dict, markers: list[int]) -> bool:
     """The grouped expert MLPs of ``gm`` into tiled ops (or reasons) in ``result``; whether the graph changed."""
     changed = False
     covered: set[fx.Node] = set()
@@ -516,7 +516,7 @@ def run(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: dict, m
                 check_inside_region,
                 check_shapes,
                 check_dtypes,
-                lambda m: dense.check_no_autocast_edge(m, order, markers),
+                lambda m: C.check_no_autocast_edge(m, order, markers),
                 lambda m: check_min_rows(m, ctx.settings.mlp_min_tokens),
             )
             reason = next((r for r in (c(m) for c in checks) if r), None)
@@ -524,7 +524,7 @@ def run(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: dict, m
             # one reason for the experts, not one per expert matmul
             covered |= {node, *G.tensor_args(node), *_projections_read_by(node)}
         if reason is not None:
-            path = dense._path(m.region) if isinstance(m, GroupedMLP) else dense._path([node])
+            path = C.path(m.region) if isinstance(m, GroupedMLP) else C.path([node])
             result.skip(node, R.Skip(NAME, candidate, path, reason))
             continue
         result.rewrote(node, rewrite(gm, m, ctx))
@@ -545,5 +545,5 @@ def run(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: dict, m
         else:
             continue
         result.consider(node, candidate)
-        result.skip(node, R.Skip(NAME, candidate, dense._path([node]), reason))
+        result.skip(node, R.Skip(NAME, candidate, C.path([node]), reason))
     return changed

@@ -5,8 +5,8 @@
 
 Under torch.compile (torch < 2.14) Hugging Face builds a [B, 1, N, N] boolean mask from aranges, position ids and
 the padding mask, and SDPA then runs its dense masked kernel: O(N²) memory and no flash. This pass reads what the
-mask computes (``passes/attention_mask.py``): a mask proven purely causal becomes ``is_causal=True`` with no mask
-(the flash kernel); packed documents, padding and sliding windows become ``tilecompile::masked_attention``, whose
+mask computes (``passes/attention/mask_algebra.py``): a mask proven purely causal becomes ``is_causal=True`` with no
+mask (the flash kernel); packed documents, padding and sliding windows become ``tilecompile::masked_attention``, whose
 inputs are the per-token tensors the mask was built from (flash varlen on CUDA where exact, chunked otherwise).
 
 The mask is usually built once and used by every layer, inside activation-checkpoint bodies: the pass follows
@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from tilecompile.passes import attention_mask as AM
 
 import tilecompile.ops.attention as OA  # registers torch.ops.tilecompile.masked_attention
 from tilecompile import graph as G
 from tilecompile import reporting as R
-from tilecompile.pipeline import PassContext, PassResult, expect
+from tilecompile.pass_api import PassContext, PassResult, expect
+from tilecompile.passes.attention import mask_algebra as AM
 
 NAME = "attention"
 _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}

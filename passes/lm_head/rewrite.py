@@ -1,4 +1,4 @@
-"""The lm_head pass's rewrite: one region of ``passes/lm_head_algebra.py`` -> calls of the fused op.
+"""The lm_head pass's rewrite: one region of ``passes/lm_head/algebra.py`` -> calls of the fused op.
 
 ``rewrite(gm, region, escapes, ...)`` inserts before the first outside use of the region: h (cast to the linear's
 output dtype, as autocast does) with the logits' views and slices replayed on it (``logits[:, :-1]`` becomes
@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from tilecompile.passes import lm_head_algebra as A
-from tilecompile.passes import loss_aware as LA
 
 from tilecompile import graph as G
 from tilecompile import reporting as R
-from tilecompile.pipeline import expect
+from tilecompile.pass_api import expect
+from tilecompile.passes.lm_head import algebra as A
+from tilecompile.passes.lm_head import loss_aware as LA
 
-NAME = "fused_linear_ce"  # the pass's name in its records (passes/fused_linear_ce.py)
+NAME = "fused_linear_ce"  # the pass's name in its records (passes/lm_head/__init__.py)
 
 # the ignore_index a lone gather gets (tilecompile/ops/fused_linear_ce.py's NO_IGNORE): no label equals it, so a
 # negative label is the op's out-of-range error (eager's gather raises) instead of a silent log-prob of 0
