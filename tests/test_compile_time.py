@@ -8,7 +8,7 @@ from helpers import assert_close, compile_options
 from torch._dynamo.utils import counters
 
 import tilecompile
-from tilecompile import backend, pipeline
+from tilecompile import backend, dynamo_floats, pipeline
 
 
 class Block(torch.nn.Module):
@@ -92,8 +92,8 @@ def test_specialized_floats_keep_their_guards(monkeypatch):
     new value; a float that changed is symbolic from then on (no recompile a value). A float passed as an argument
     stays symbolic from the start."""
     specialized = []
-    spec = backend.specialize_module_floats
-    monkeypatch.setattr(backend, "specialize_module_floats", lambda gm: specialized.extend(spec(gm)) or [])
+    spec = dynamo_floats.specialize_module_floats
+    monkeypatch.setattr(dynamo_floats, "specialize_module_floats", lambda gm: specialized.extend(spec(gm)) or [])
     model = Model()
     f = torch.compile(lambda ids, t: model(ids) * t, backend="tilecompile", dynamic=True, options=compile_options())
     ids = torch.randint(0, 50, (2, 9))
@@ -122,8 +122,8 @@ def test_floats_in_a_module_dict_are_specialized_too(monkeypatch):
     (a float left symbolic is read by ``.item()`` in each body, which keeps them apart), and a changed value
     recompiles and computes with it."""
     specialized = []
-    spec = backend.specialize_module_floats
-    monkeypatch.setattr(backend, "specialize_module_floats", lambda gm: specialized.extend(spec(gm)) or [])
+    spec = dynamo_floats.specialize_module_floats
+    monkeypatch.setattr(dynamo_floats, "specialize_module_floats", lambda gm: specialized.extend(spec(gm)) or [])
     torch.manual_seed(0)
     model, ref = Model(block=LoraBlock), Model(block=LoraBlock)
     ref.load_state_dict(model.state_dict())
@@ -172,7 +172,7 @@ def test_module_floats_leave_no_cpu_scalar_math(monkeypatch):
         fw = lambda g, _: forwards.append(g) or g  # noqa: E731
         return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=lambda g, _: g)
 
-    monkeypatch.setattr(backend, "_inner_compile", inner)
+    monkeypatch.setattr(backend, "inner_compile", inner)
 
     def reads_of_float_tensors(specialize: bool) -> int:
         options = compile_options(specialize_module_floats=specialize)
@@ -205,8 +205,8 @@ def test_a_failing_specialization_costs_only_the_restart(monkeypatch):
     def broken(gm):
         raise AttributeError("no TensorifyState here")
 
-    monkeypatch.setattr(backend, "specialize_untensorifiable_floats", broken)
-    monkeypatch.setattr(backend, "specialize_module_floats", broken)
+    monkeypatch.setattr(dynamo_floats, "specialize_untensorifiable_floats", broken)
+    monkeypatch.setattr(dynamo_floats, "specialize_module_floats", broken)
     runs = _runs(monkeypatch)
     model = Model()
     f = torch.compile(model, backend="tilecompile", dynamic=True, options=compile_options(strict=False))

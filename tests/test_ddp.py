@@ -58,19 +58,19 @@ class _Pieces:
     def __enter__(self):
         from tilecompile import backend
 
-        self.calls, self._saved = 0, backend._inner_compile
+        self.calls, self._saved = 0, backend.inner_compile
 
         def inner(*args):
             self.calls += 1
             return self._saved(*args)
 
-        backend._inner_compile = inner
+        backend.inner_compile = inner
         return self
 
     def __exit__(self, *exc):
         from tilecompile import backend
 
-        backend._inner_compile = self._saved
+        backend.inner_compile = self._saved
 
 
 def _train_ddp(rank, model, halves, options, bucket_cap_mb):

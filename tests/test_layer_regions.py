@@ -75,8 +75,8 @@ def _pair(**kwargs):
 def _graphs(monkeypatch) -> list:
     """The graphs handed to the inner compiler."""
     seen = []
-    inner = backend._inner_compile
-    monkeypatch.setattr(backend, "_inner_compile", lambda gm, *a: seen.append(gm) or inner(gm, *a))
+    inner = backend.inner_compile
+    monkeypatch.setattr(backend, "inner_compile", lambda gm, *a: seen.append(gm) or inner(gm, *a))
     return seen
 
 
@@ -183,7 +183,7 @@ def test_a_body_that_reads_a_value_is_not_shared():
 
 def _reject_regions(monkeypatch) -> list[bool]:
     """The inner compiler raises on a graph with region calls; returns, per compile, whether it had any."""
-    inner, tried = backend._inner_compile, []
+    inner, tried = backend.inner_compile, []
 
     def picky(gm, *a):
         tried.append(bool(_region_calls(gm)))
@@ -191,7 +191,7 @@ def _reject_regions(monkeypatch) -> list[bool]:
             raise RuntimeError("no regions here")
         return inner(gm, *a)
 
-    monkeypatch.setattr(backend, "_inner_compile", picky)
+    monkeypatch.setattr(backend, "inner_compile", picky)
     return tried
 
 
@@ -232,7 +232,7 @@ def test_a_backward_that_rejects_the_region_is_undone_at_compile_time(monkeypatc
         return make_boxed_func(gm.forward)
 
     inner = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=bw)
-    monkeypatch.setattr(backend, "_inner_compile", lambda gm, ex, *a: inner(gm, ex))
+    monkeypatch.setattr(backend, "inner_compile", lambda gm, ex, *a: inner(gm, ex))
     model, ref = _pair()
     f = torch.compile(loss_fn, backend="tilecompile", options=_options(strict=False))
     with warnings.catch_warnings(record=True) as caught:

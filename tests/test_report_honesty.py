@@ -30,7 +30,7 @@ class _GatedMLP(torch.nn.Module):
 def test_a_compile_that_raised_counts_no_rewrite(monkeypatch):
     """The passes rewrite the MLP, then the inner compile raises a data-dependent error (as HF's grouped_mm fallback
     backward did on CPU): Dynamo runs the frame another way, and the report counts no tiled MLP but names the error."""
-    inner = backend._inner_compile
+    inner = backend.inner_compile
     calls = []
 
     def fails_once(gm, *args, **kwargs):
@@ -39,7 +39,7 @@ def test_a_compile_that_raised_counts_no_rewrite(monkeypatch):
             raise torch._subclasses.fake_tensor.DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
         return inner(gm, *args, **kwargs)
 
-    monkeypatch.setattr(backend, "_inner_compile", fails_once)
+    monkeypatch.setattr(backend, "inner_compile", fails_once)
     model = _GatedMLP()
     x = torch.randn(4, 8)
     out = torch.compile(model, backend="tilecompile", options=compile_options())(x)

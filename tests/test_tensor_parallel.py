@@ -128,7 +128,7 @@ class GraphCapture:
     def __enter__(self) -> GraphCapture:
         from tilecompile import backend
 
-        self._saved = backend._inner_compile
+        self._saved = backend.inner_compile
 
         def inner(gm, example_inputs, inner, mode, options):
             from functorch.compile import make_boxed_func
@@ -148,13 +148,13 @@ class GraphCapture:
                 partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True,
             )  # fmt: skip
 
-        backend._inner_compile = inner
+        backend.inner_compile = inner
         return self
 
     def __exit__(self, *exc) -> None:
         from tilecompile import backend
 
-        backend._inner_compile = self._saved
+        backend.inner_compile = self._saved
 
     def counts(self) -> tuple[Counter, Counter]:
         fw, bw = Counter(), Counter()

@@ -4,9 +4,14 @@
 ``torch_dynamo_backends`` entry point). Import it for ``report()``, ``reset()``, ``parallelize()`` and the fused ops.
 """
 
-from tilecompile.distributed import LossHead
+from tilecompile.integrations import ddp as _ddp
+from tilecompile.integrations.loss_head import LossHead
 from tilecompile.parallel import parallelize
 from tilecompile.reporting import Report, report, reset
+
+# torch.compile(backend="tilecompile") imports tilecompile.backend, so this package first: a compiled DDP module's
+# graph then goes through the passes whole before DDP's bucket split (tilecompile/integrations/ddp.py)
+_ddp.install()
 
 __all__ = ["LossHead", "Report", "parallelize", "report", "reset"]
 __version__ = "0.1.0"

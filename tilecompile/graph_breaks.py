@@ -50,27 +50,6 @@ _FIX_REQUIRES_GRAD = (
 )
 
 
-_BREAKS_AT_RESET: dict = {}  # Dynamo's graph-break counts by reason when tilecompile.reset() last ran
-
-
-def forget_breaks() -> None:
-    """From now on, only graph breaks Dynamo records after this call are named (``tilecompile.reset()`` calls it:
-    Dynamo's counters hold every break of the process and ``torch._dynamo.reset()`` does not clear them)."""
-    from torch._dynamo.utils import counters
-
-    _BREAKS_AT_RESET.clear()
-    _BREAKS_AT_RESET.update(counters["graph_break"])
-
-
-def new_breaks() -> dict[str, int]:
-    """Dynamo's graph-break reasons recorded since ``tilecompile.reset()`` (every backend's: the counters are the
-    process's), with how often each was hit since."""
-    from torch._dynamo.utils import counters
-
-    return {str(r): n - _BREAKS_AT_RESET.get(r, 0) for r, n in counters["graph_break"].items()
-            if n > _BREAKS_AT_RESET.get(r, 0)}  # fmt: skip
-
-
 # a break at a function Dynamo was told not to trace: FSDP2's hooks (each ``torch._dynamo.disable``d) are the usual one
 _DISABLED_BREAK = ("disable", "fsdp")
 _FIX_NO_LOSS = (
@@ -83,7 +62,7 @@ def _fix_head() -> str:
     """What to do about the lm_head's logits leaving its graph, from what Dynamo recorded since
     ``tilecompile.reset()``: no break at all (the user compiled the model without its loss), a break this project
     knows (HF's input-grad hook, FSDP2's disabled hooks), or another break, named."""
-    new = new_breaks()
+    new = R.new_breaks()
     if not new:
         return _FIX_NO_LOSS
     if any(_REQUIRES_GRAD_BREAK in reason for reason in new):
@@ -101,7 +80,7 @@ def _returned_unbroken(gm: fx.GraphModule) -> bool:
     """The graph ends where its function returns, and Dynamo broke no graph since ``tilecompile.reset()``: the
     function torch.compile was given returns this graph's outputs."""
     reason = getattr(getattr(gm, "compile_subgraph_reason", None), "reason", None)
-    return str(reason).startswith("return_value") and not new_breaks()
+    return str(reason).startswith("return_value") and not R.new_breaks()
 
 
 def _break_reason(gm: fx.GraphModule) -> str:

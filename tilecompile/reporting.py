@@ -211,10 +211,21 @@ def eager_frame(frame: EagerFrame) -> None:
             _current.eager_frames.append(frame)
 
 
-def _breaks() -> dict[str, int]:
-    from tilecompile import graph_breaks
+_breaks_at_reset: dict = {}  # Dynamo's graph-break counts by reason when reset() last ran
 
-    return graph_breaks.new_breaks()
+
+def new_breaks() -> dict[str, int]:
+    """Dynamo's graph-break reasons recorded since ``reset()`` (every backend's: the counters are the process's),
+    with how often each was hit since. ``torch._dynamo.reset()`` does not clear Dynamo's counters; ``reset()`` notes
+    where they stood."""
+    from torch._dynamo.utils import counters
+
+    return {str(r): n - _breaks_at_reset.get(r, 0) for r, n in counters["graph_break"].items()
+            if n > _breaks_at_reset.get(r, 0)}  # fmt: skip
+
+
+def _breaks() -> dict[str, int]:
+    return new_breaks()
 
 
 @contextlib.contextmanager
@@ -276,11 +287,12 @@ def report() -> Report:
 
 
 def reset() -> None:
-    """Clear the report (and forget the graph breaks Dynamo recorded so far: ``graph_breaks.forget_breaks``)."""
+    """Clear the report, and forget the graph breaks Dynamo recorded so far (``new_breaks`` counts from here)."""
     global _current, _served
-    from tilecompile import graph_breaks
-
     with _lock:
         _current = Report()
         _served = {}
-    graph_breaks.forget_breaks()
+    from torch._dynamo.utils import counters
+
+    _breaks_at_reset.clear()
+    _breaks_at_reset.update(counters["graph_break"])
