@@ -50,11 +50,10 @@ from tilecompile import graph as G
 from tilecompile import parallel as P
 from tilecompile import reporting as R
 from tilecompile.ops import collectives as C
-from tilecompile.pass_api import PassContext, PassResult
+from tilecompile.pass_api import VOCAB_GATHER, PassContext, PassResult
 
 NAME = "tensor_parallel"
 _DONE = "_tilecompile_tp_lowered"
-VOCAB_GATHER = "tilecompile_tp_vocab"  # meta key on the gather after a vocab_colwise lm_head: its ShardSpec
 
 
 class TensorParallelError(RuntimeError):

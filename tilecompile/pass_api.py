@@ -18,6 +18,9 @@ from tilecompile import reporting as R
 from tilecompile.config import Settings
 
 EXPECTED = "tilecompile_expected"  # node.meta key: what a newly inserted node must produce (``expect``)
+# node.meta key that tensor_parallel sets on the gather after a vocab_colwise lm_head (its ShardSpec), for the lm_head
+# pass to fuse the gathered lm_head into vocab_parallel_logprob
+VOCAB_GATHER = "tilecompile_tp_vocab"
 
 
 @dataclasses.dataclass

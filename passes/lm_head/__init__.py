@@ -50,7 +50,7 @@ import torch.fx as fx
 
 from tilecompile import graph as G
 from tilecompile import reporting as R
-from tilecompile.pass_api import PassContext, PassResult, snapshot_graph
+from tilecompile.pass_api import VOCAB_GATHER, PassContext, PassResult, snapshot_graph
 from tilecompile.passes.lm_head import algebra as A
 from tilecompile.passes.lm_head import library_kernels as LK
 from tilecompile.passes.lm_head import loss_aware as LA
@@ -192,7 +192,7 @@ def _gathered_linear(node: fx.Node) -> G.Linear | None:
     """The logits of a vocab-parallel lm_head, as ``passes/tensor_parallel.py`` leaves them: all-gathered along the
     vocabulary right after the local linear. Seen as one linear of the whole vocabulary; the rewrite calls the
     vocab-parallel op on the local weight and drops the gather."""
-    if A.VOCAB_GATHER not in node.meta or not isinstance(node.args[0], fx.Node):
+    if VOCAB_GATHER not in node.meta or not isinstance(node.args[0], fx.Node):
         return None
     lin = G.as_linear(node.args[0])
     if lin is None or len(lin.node.users) != 1:

@@ -30,9 +30,9 @@ import torch
 import torch.fx as fx
 
 from tilecompile import graph as G
+from tilecompile.pass_api import VOCAB_GATHER
 
 # meta key the tensor_parallel pass sets on the gather of a vocab-parallel lm_head's logits (its ShardSpec)
-VOCAB_GATHER = "tilecompile_tp_vocab"
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LABEL_DTYPES = (torch.int32, torch.int64)
@@ -198,7 +198,9 @@ def _scalar(x: Any) -> float | None:
     return float(x) if isinstance(x, int | float) else None
 
 
-def same_shape(a: tuple | None, b: tuple | None) -> bool:
+def same_written_shape(a: tuple | None, b: tuple | None) -> bool:
+    """The same sizes, written alike (symbolic sizes by their expression): no guard, unlike ``graph.same_shape``,
+    which proves equal sizes that are written differently."""
     return a is not None and b is not None and [str(s) for s in a] == [str(s) for s in b]
 
 
@@ -852,7 +854,7 @@ class Analysis:
                 fa, fb = self._vocab_of(a, va), self._vocab_of(b, vb)
                 if fa is None or fb is None or fa.base is not fb.base or fa.soft == fb.soft:
                     return None
-                if not same_shape(G.shape(a), G.shape(b)):
+                if not same_written_shape(G.shape(a), G.shape(b)):
                     return None
                 soft, plain = (fa, fb) if fa.soft else (fb, fa)
                 coef = dict(soft.form)
@@ -869,12 +871,12 @@ class Analysis:
                 return Row(vb.base, _combine(_scaled(vb.terms, sign), _form(one=_scalar(a))), vb.keepdim)
             return None
         if isinstance(va, Row) and isinstance(vb, Row):
-            if va.base is not vb.base or va.keepdim != vb.keepdim or not same_shape(G.shape(a), G.shape(b)):
+            if va.base is not vb.base or va.keepdim != vb.keepdim or not same_written_shape(G.shape(a), G.shape(b)):
                 return None
             return Row(va.base, _combine(va.terms, vb.terms, sign), va.keepdim)
         # a vocab-sized form plus a keepdim row of lse: z - logsumexp(z, -1, keepdim=True)
         fa, fb = self._vocab_of(a, va), self._vocab_of(b, vb)
-        if not same_shape(G.shape(a)[:-1], G.shape(b)[:-1]):
+        if not same_written_shape(G.shape(a)[:-1], G.shape(b)[:-1]):
             return None
         for f, row, s_f, s_row in ((fa, vb, 1.0, sign), (fb, va, sign, 1.0)):
             if f is None or not isinstance(row, Row) or f.soft or not row.keepdim or row.base is not f.base:
@@ -883,7 +885,7 @@ class Analysis:
                 return None
             return Vocab(f.base, _combine(_scaled(f.form, s_f), row.terms, s_row), False)
         if fa is not None and fb is not None and fa.base is fb.base and fa.soft == fb.soft:
-            if not same_shape(G.shape(a), G.shape(b)):
+            if not same_written_shape(G.shape(a), G.shape(b)):
                 return None
             return Vocab(fa.base, _combine(fa.form, fb.form, sign), fa.soft)
         return None

@@ -232,7 +232,7 @@ def _rewrite_region(
                 labels, ignore = key
                 ignore = _NO_IGNORE if ignore == A.ANY_NEGATIVE else ignore
                 lead = G.shape(hb)[:-1]
-                if not A.same_shape(G.shape(labels), lead):
+                if not A.same_written_shape(G.shape(labels), lead):
                     if A.is_static(G.shape(labels)) and A.is_static(lead):  # labels of a reshaped view of these rows
                         labels = b.call("reshape", labels, [G.static_size(s) for s in lead], method=True)
                     elif A.ndim_of(labels) == len(lead) + 1:  # a gather index [..., 1]
@@ -325,7 +325,7 @@ def _rewrite_region(
         else:
             value = _row_value(b, v, out, r.vocab)
         want = G.example_value(node)
-        if not A.same_shape(G.shape(value), tuple(want.shape)):  # a row value of a reshaped view of the base
+        if not A.same_written_shape(G.shape(value), tuple(want.shape)):  # a row value of a reshaped view of the base
             shape = [s if G.static_size(s) is None else G.static_size(s) for s in want.shape]  # pinned: as ints
             value = b.call("reshape", value, _traceable(shape), method=True)
         if node in no_grad and (modes[anchor] is not False or switch):
