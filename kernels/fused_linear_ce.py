@@ -437,6 +437,20 @@ def _gemm_dtype(h: torch.Tensor, gemm_dtype: torch.dtype | None) -> torch.dtype:
     return h.dtype if h.is_cuda else torch.float32
 
 
+def _chunk_logits(
+    hg: torch.Tensor, weight: torch.Tensor, v0: int, c: int, buf: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_c, z_c): the chunk W[v0 : v0 + c] in ``hg``'s (the GEMM's) dtype and z_c = hg @ W_cᵀ, written into the
+    flat chunk buffer ``buf`` (z_c is a view of it)."""
+    n = hg.shape[0]
+    w_c = weight[v0 : v0 + c]
+    if w_c.dtype != hg.dtype:
+        w_c = w_c.to(hg.dtype)
+    z = buf[: n * w_c.shape[0]].view(n, w_c.shape[0])
+    torch.mm(hg, w_c.t(), out=z)
+    return w_c, z
+
+
 class Extras(NamedTuple):
     """Per-row outputs of the forward besides logp, entropy and stats: Σ_j z_j (fp32) and argmax_j z_j (int64)."""
 
@@ -515,11 +529,7 @@ def fused_linear_logprob_fwd_ext(
     buf = torch.empty(n * c, dtype=gdt, device=dev)
     z = None
     for v0 in range(0, v, c):
-        w_c = weight[v0 : v0 + c]
-        if w_c.dtype != gdt:
-            w_c = w_c.to(gdt)
-        z = buf[: n * w_c.shape[0]].view(n, w_c.shape[0])
-        torch.mm(hg, w_c.t(), out=z)
+        w_c, z = _chunk_logits(hg, weight, v0, c, buf)
         epilogue(z, labels, state, logp, ent, stats, v0, scalar_t, ignore_index, with_entropy, v0 + c >= v,
                  bias=bias, softcap=softcap, zsum=zsum, argmax=amax, all_rows=all_rows)  # fmt: skip
     del buf, z  # z is a view of buf: both must go before the caller allocates more
@@ -642,11 +652,7 @@ def fused_linear_logprob_bwd_ext(
     buf = torch.empty(n * c, dtype=gdt, device=dev)
     z = None
     for v0 in range(0, v, c):
-        w_c = weight[v0 : v0 + c]
-        if w_c.dtype != gdt:
-            w_c = w_c.to(gdt)
-        z = buf[: n * w_c.shape[0]].view(n, w_c.shape[0])
-        torch.mm(hg, w_c.t(), out=z)
+        w_c, z = _chunk_logits(hg, weight, v0, c, buf)
         epilogue(z, labels, stats, ent, grad_logp, grad_ent, v0, scalar_t, ignore_index, bias=bias,
                  softcap=softcap, glse=grad_lse, gzs=grad_zsum)  # fmt: skip
         if db is not None:

@@ -90,26 +90,26 @@ class _ScatterToTP(torch.autograd.Function):
         return all_gather(g, ctx.dim, ctx.group), None, None, None, None
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group, world, rank):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
+def _seq_pair(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
+    """The sequence-parallel Function: ``forward_op(x, dim, group)`` forward, ``backward_op(g, dim, group)``
+    backward (all_gather and reduce_scatter, one each way)."""
 
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter(g, ctx.dim, ctx.group), None, None, None, None
+    class _SeqPair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, group, world, rank):
+            ctx.dim, ctx.group = dim, group
+            return forward_op(x, dim, group)
+
+        @staticmethod
+        def backward(ctx, g):
+            return backward_op(g, ctx.dim, ctx.group), None, None, None, None
+
+    _SeqPair.__name__ = _SeqPair.__qualname__ = name
+    return _SeqPair
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group, world, rank):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather(g, ctx.dim, ctx.group), None, None, None, None
+_GatherSeq = _seq_pair("_GatherSeq", all_gather, reduce_scatter)
+_ReduceScatterSeq = _seq_pair("_ReduceScatterSeq", reduce_scatter, all_gather)
 
 
 def copy_to_tp(x: torch.Tensor, group: str, world: int, rank: int) -> torch.Tensor:

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from tilecompile.kernels import tiled_mlp as K
-from tilecompile.ops.tiled_mlp import _accumulate_mm, check_options, chunk_size_for
+from tilecompile.ops.tiled_mlp import _acc_dtype, _accumulate_mm, _finish_grad, check_options, chunk_size_for
 
 __all__ = ["tiled_grouped_mlp"]
 
@@ -195,11 +195,8 @@ def _tiled_grouped_mlp_backward_op(
     n, i = x.shape[0], gate_weight.shape[2]
     mask = _row_mask(row_mask)
 
-    def acc_dtype(p: Tensor) -> torch.dtype:
-        return p.dtype if grad_accum == "param" else torch.promote_types(torch.float32, p.dtype)
-
     def acc_for(p: Tensor, wanted: bool) -> Tensor | None:
-        return torch.zeros(p.shape, device=p.device, dtype=acc_dtype(p)) if wanted else None
+        return torch.zeros(p.shape, device=p.device, dtype=_acc_dtype(p, grad_accum)) if wanted else None
 
     acc_wg, acc_wu, acc_wd = acc_for(gate_weight, need_wg), acc_for(up_weight, need_wu), acc_for(down_weight, need_wd)
     dx = x.new_zeros(x.shape) if need_x else None  # rows past offsets[-1] get no gradient
@@ -244,14 +241,9 @@ def _tiled_grouped_mlp_backward_op(
                         dx[s:t].addmm_(dg, wg.t())
         del g_buf, u_buf, dh_buf, t_buf
 
-    def finish(acc: Tensor | None, p: Tensor) -> Tensor:
-        if acc is None:
-            return x.new_empty((0,))
-        return acc if acc.dtype == p.dtype else acc.to(p.dtype)
-
-    g_wd, acc_wd = finish(acc_wd, down_weight), None
-    g_wu, acc_wu = finish(acc_wu, up_weight), None
-    g_wg, acc_wg = finish(acc_wg, gate_weight), None
+    g_wd, acc_wd = _finish_grad(acc_wd, down_weight, x), None
+    g_wu, acc_wu = _finish_grad(acc_wu, up_weight, x), None
+    g_wg, acc_wg = _finish_grad(acc_wg, gate_weight, x), None
     return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd
 
 

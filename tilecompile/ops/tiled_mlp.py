@@ -123,6 +123,18 @@ def _accumulate_sum(acc: Tensor, t: Tensor) -> None:
     acc.add_(t.sum(0, dtype=acc.dtype))
 
 
+def _acc_dtype(p: Tensor, grad_accum: str) -> torch.dtype:
+    """The dtype ``p``'s grad accumulates in: ``p``'s own with ``grad_accum="param"``, else at least fp32."""
+    return p.dtype if grad_accum == "param" else torch.promote_types(torch.float32, p.dtype)
+
+
+def _finish_grad(acc: Tensor | None, p: Tensor | None, x: Tensor) -> Tensor:
+    """The accumulator as ``p``'s grad, in ``p``'s dtype; an empty placeholder (``x.new_empty((0,))``) without one."""
+    if acc is None:
+        return x.new_empty((0,))
+    return acc if acc.dtype == p.dtype else acc.to(p.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # checks
 
@@ -140,7 +152,7 @@ def check_options(name: str, activation: str, chunk_tokens: int, budget_mb: int,
         raise ValueError(f"{name}: budget_mb must be > 0 when chunk_tokens is 0, got {budget_mb}")
 
 
-def _check(
+def _check_tensors(
     x: Tensor,
     gate_weight: Tensor,
     gate_bias: Tensor | None,
@@ -148,12 +160,8 @@ def _check(
     up_bias: Tensor | None,
     down_weight: Tensor,
     down_bias: Tensor | None,
-    activation: str,
-    chunk_tokens: int,
-    budget_mb: int,
-    grad_accum: str,
 ) -> None:
-    check_options("tiled_gated_mlp", activation, chunk_tokens, budget_mb, grad_accum)
+    """The op's tensor checks (after ``check_options``), run by the op and its fake alike."""
     if x.dim() < 1:
         raise ValueError("tiled_gated_mlp: x must have at least one dimension [..., D]")
     d, i = x.shape[-1], gate_weight.shape[0]
@@ -199,19 +207,8 @@ def _tiled_gated_mlp_op(
     budget_mb: int = 256,
     grad_accum: str = "fp32",
 ) -> Tensor:
-    _check(
-        x,
-        gate_weight,
-        gate_bias,
-        up_weight,
-        up_bias,
-        down_weight,
-        down_bias,
-        activation,
-        chunk_tokens,
-        budget_mb,
-        grad_accum,
-    )
+    check_options("tiled_gated_mlp", activation, chunk_tokens, budget_mb, grad_accum)
+    _check_tensors(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     d, i, d_out = x.shape[-1], gate_weight.shape[0], down_weight.shape[0]
     x2 = x.reshape(-1, d)
     n = x2.shape[0]
@@ -249,19 +246,8 @@ def _(
     budget_mb=256,
     grad_accum="fp32",
 ):
-    _check(
-        x,
-        gate_weight,
-        gate_bias,
-        up_weight,
-        up_bias,
-        down_weight,
-        down_bias,
-        activation,
-        chunk_tokens,
-        budget_mb,
-        grad_accum,
-    )
+    check_options("tiled_gated_mlp", activation, chunk_tokens, budget_mb, grad_accum)
+    _check_tensors(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
 
 
@@ -356,7 +342,7 @@ def _tiled_gated_mlp_backward_op(
     cdt = x2.dtype
 
     def acc_dtype(p: Tensor) -> torch.dtype:
-        return p.dtype if grad_accum == "param" else torch.promote_types(torch.float32, p.dtype)
+        return _acc_dtype(p, grad_accum)
 
     def zeros_like_acc(p: Tensor) -> Tensor:
         return torch.zeros(p.shape, device=p.device, dtype=acc_dtype(p))
@@ -443,18 +429,13 @@ def _tiled_gated_mlp_backward_op(
                 dx2[s:e].copy_(dx_tile)
         del g_buf, u_buf, t_buf, dh_buf, dx_acc
 
-    def finish(acc: Tensor | None, p: Tensor | None) -> Tensor:
-        if acc is None:
-            return x.new_empty((0,))
-        return acc if acc.dtype == p.dtype else acc.to(p.dtype)
-
     # convert one accumulator at a time so the fp32 buffers are freed as the param-dtype grads appear
-    g_wd, acc_wd = finish(acc_wd, down_weight), None
-    g_wu, acc_wu = finish(acc_wu, up_weight), None
-    g_wg, acc_wg = finish(acc_wg, gate_weight), None
-    g_bd = finish(acc_bd, down_weight)
-    g_bu = finish(acc_bu, up_bias)
-    g_bg = finish(acc_bg, gate_bias)
+    g_wd, acc_wd = _finish_grad(acc_wd, down_weight, x), None
+    g_wu, acc_wu = _finish_grad(acc_wu, up_weight, x), None
+    g_wg, acc_wg = _finish_grad(acc_wg, gate_weight, x), None
+    g_bd = _finish_grad(acc_bd, down_weight, x)
+    g_bu = _finish_grad(acc_bu, up_bias, x)
+    g_bg = _finish_grad(acc_bg, gate_bias, x)
     g_x = dx if dx is not None else x.new_empty((0,))
     return g_x, g_wg, g_bg, g_wu, g_bu, g_wd, g_bd
 
@@ -495,24 +476,9 @@ def _(
 
 
 def _setup_context(ctx, inputs, output):
-    (
-        x,
-        gate_weight,
-        gate_bias,
-        up_weight,
-        up_bias,
-        down_weight,
-        down_bias,
-        activation,
-        chunk_tokens,
-        budget_mb,
-        grad_accum,
-    ) = inputs
+    x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *settings = inputs
     ctx.save_for_backward(x, gate_weight, gate_bias, up_weight, up_bias, down_weight)
-    ctx.activation = activation
-    ctx.chunk_tokens = chunk_tokens
-    ctx.budget_mb = budget_mb
-    ctx.grad_accum = grad_accum
+    ctx.settings = tuple(settings)  # activation, chunk_tokens, budget_mb, grad_accum
     ctx.has_bias = (gate_bias is not None, up_bias is not None, down_bias is not None)
 
 
@@ -525,18 +491,7 @@ def _backward(ctx, grad_out):
     if not any(needs):
         return (None,) * 11
     grads = torch.ops.tilecompile.tiled_gated_mlp_backward(
-        grad_out,
-        x,
-        gate_weight,
-        gate_bias,
-        up_weight,
-        up_bias,
-        down_weight,
-        ctx.activation,
-        ctx.chunk_tokens,
-        ctx.budget_mb,
-        ctx.grad_accum,
-        needs,
+        grad_out, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, *ctx.settings, needs
     )
     return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None)
 
