@@ -291,18 +291,12 @@ def _rewrite_region(
             n_calls += 1
             if key is not None:
                 out[key] = (logp, labels, ignore)
-            if with_entropy:
-                out["entropy"] = b.call(operator.getitem, fused, 1)
-                expect(out["entropy"], expected[1])
-            if with_lse:
-                out["lse"] = b.call(operator.getitem, fused, 2)
-                expect(out["lse"], expected[2])
-            if with_zsum:
-                out["zsum"] = b.call(operator.getitem, fused, 3)
-                expect(out["zsum"], expected[3])
-            if with_argmax:
-                out["argmax"] = b.call(operator.getitem, fused, 4)
-                expect(out["argmax"], expected[4])
+            # the op's outputs after the log-prob, in its order: each one the region reads gets its getitem
+            wanted = (("entropy", with_entropy), ("lse", with_lse), ("zsum", with_zsum), ("argmax", with_argmax))
+            for index, (name, read) in enumerate(wanted, start=1):
+                if read:
+                    out[name] = b.call(operator.getitem, fused, index)
+                    expect(out[name], expected[index])
             if plan is not None:
                 loss_call.update(
                     logp=logp, entropy=out["entropy"], grads=[b.call(operator.getitem, fused, i) for i in (2, 3)]
