@@ -99,7 +99,7 @@ class Report:
         copy = Report()
         copy.rewrites, copy.skipped, copy.failures = list(self.rewrites), list(self.skipped), list(self.failures)
         copy.compile_errors, copy.eager_frames = list(self.compile_errors), list(self.eager_frames)
-        copy.breaks = _breaks() if self is _current else dict(self.breaks)
+        copy.breaks = new_breaks() if self is _current else dict(self.breaks)
         copy.graphs = self.graphs
         copy.served = {g: len(ids) for g, ids in _served.items()} if self is _current else dict(self.served)
         return copy
@@ -222,10 +222,6 @@ def new_breaks() -> dict[str, int]:
 
     return {str(r): n - _breaks_at_reset.get(r, 0) for r, n in counters["graph_break"].items()
             if n > _breaks_at_reset.get(r, 0)}  # fmt: skip
-
-
-def _breaks() -> dict[str, int]:
-    return new_breaks()
 
 
 @contextlib.contextmanager
