@@ -347,7 +347,7 @@ class _Lowering:
         lo = self.group.rank * local
         value = G.example_value(ids)
         mode = getattr(value, "fake_mode", None)
-        b = _Builder(self.graph, node, mode)
+        b = G.NodeBuilder(self.graph, node, mode)
         shifted = b.call(operator.sub, ids, lo)
         inside = b.call(operator.and_, b.call(operator.ge, shifted, 0), b.call(operator.lt, shifted, local))
         safe = b.call(torch.where, inside, shifted, 0)
@@ -522,24 +522,6 @@ def _flat(tree: Any) -> list[Any]:
     out: list[Any] = []
     fx.node.map_aggregate(tree, out.append)
     return out
-
-
-class _Builder:
-    def __init__(self, graph: fx.Graph, anchor: fx.Node, mode: Any) -> None:
-        self.graph, self.anchor, self.mode = graph, anchor, mode
-        self.new: list[fx.Node] = []
-
-    def call(self, target: Any, *args: Any, method: bool = False) -> fx.Node:
-        with self.graph.inserting_before(self.anchor):
-            node = (self.graph.call_method if method else self.graph.call_function)(target, args)
-        for key in ("nn_module_stack", "stack_trace"):
-            if key in self.anchor.meta:
-                node.meta[key] = self.anchor.meta[key]
-        fa = fx.node.map_arg(args, G.example_value)
-        with self.mode:
-            node.meta["example_value"] = getattr(fa[0], target)(*fa[1:]) if method else target(*fa)
-        self.new.append(node)
-        return node
 
 
 # ------------------------------------------------------------------------------------------ placement rules

@@ -423,6 +423,42 @@ def test_labels_computed_after_the_first_use_are_moved_up():
     assert "1 fused call" in tilecompile.report().rewrites[0].detail
 
 
+def test_late_rejection_leaves_the_graph_untouched(monkeypatch):
+    """The rewrite plans before it inserts: labels computed after the first use of the log-probs by an in-place op
+    cannot move above it, which is found only once the calls are known. The pass rejects the region with that
+    reason having created, moved and erased no node (no rollback), and the graph is the one it was given."""
+    from tilecompile.pass_api import PassContext
+    from tilecompile.passes import lm_head
+
+    def spelling(m, h, y):
+        z = m.lm_head(h)
+        running = torch.cumsum(entropy_of(z), dim=-1)  # the entropy's first use outside: the fused call goes here
+        labels = y.clone()
+        labels.add_(1)  # in place, after that use: cannot be moved up
+        return lp_of(z, labels % V) * running
+
+    torch.manual_seed(0)
+    h, y = torch.randn(3, 7, D), torch.randint(0, V, (3, 7))
+    [gm] = compiled_graphs(Head(spelling), h, y, fused_linear_ce=False)
+    before = [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs)) for n in gm.graph.nodes]
+    touched = []
+    for name in ("create_node", "erase_node"):
+        real = getattr(fx.Graph, name)
+        monkeypatch.setattr(
+            fx.Graph, name, lambda self, *a, _n=name, _real=real, **k: touched.append(_n) or _real(self, *a, **k)
+        )
+    real_prepend = fx.Node.prepend
+    monkeypatch.setattr(fx.Node, "prepend", lambda self, x: touched.append("prepend") or real_prepend(self, x))
+
+    result = lm_head.run(gm, PassContext(config.load({**OPTIONS, "strict": False})))
+
+    assert not result.rewrites
+    [skip] = result.skipped
+    assert "cannot be moved" in skip.reason, skip.reason
+    assert touched == []
+    assert [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs)) for n in gm.graph.nodes] == before
+
+
 def test_reshaped_log_softmax_into_nll_loss():
     def spelling(m, h, y):
         logp = F.log_softmax(m.lm_head(h), dim=-1)

@@ -586,3 +586,28 @@ def same_size(a: Any, b: Any) -> bool:
 
 def same_shape(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(same_size(i, j) for i, j in zip(a, b))
+
+
+class NodeBuilder:
+    """Inserts nodes before ``anchor``, fake-running each (in ``fake_mode``) so its meta carries ``example_value``;
+    each new node gets ``meta_from``'s module stack and stack trace. ``new`` lists what it inserted."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode: Any, meta_from: fx.Node | None = None) -> None:
+        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
+        meta_from = anchor if meta_from is None else meta_from
+        self.stack = meta_from.meta.get("nn_module_stack")
+        self.trace = meta_from.meta.get("stack_trace")
+        self.new: list[fx.Node] = []
+
+    def call(self, target: Any, *args: Any, method: bool = False, **kwargs: Any) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = (self.graph.call_method if method else self.graph.call_function)(target, args, kwargs)
+        if self.stack is not None:
+            node.meta["nn_module_stack"] = dict(self.stack)
+        if self.trace is not None:
+            node.meta["stack_trace"] = self.trace
+        fa, fk = fx.node.map_arg((args, kwargs), example_value)
+        with self.fake_mode:
+            node.meta["example_value"] = getattr(fa[0], target)(*fa[1:], **fk) if method else target(*fa, **fk)
+        self.new.append(node)
+        return node

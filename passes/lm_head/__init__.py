@@ -315,7 +315,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         fake_mode = getattr(G.example_value(call.logits), "fake_mode", None)
         if fake_mode is None:
             break
-        wide.append(LK.expand(call, RW.Builder(gm.graph, call.node, fake_mode, call.node)))
+        wide.append(LK.expand(call, G.NodeBuilder(gm.graph, call.node, fake_mode)))
     G.eliminate_dead_code(gm.graph)  # what only the launches read (their strides, under dynamic shapes) is no use
     result = _run(gm, ctx) if len(wide) == len(kernels) else None
     live = set(gm.graph.nodes)

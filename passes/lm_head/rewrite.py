@@ -6,12 +6,19 @@ output dtype, as autocast does) with the logits' views and slices replayed on it
 labels, ignore_index) (``fused_linear_logprob_loss`` in the loss-aware mode, ``vocab_parallel_logprob`` for a
 vocab-parallel lm_head), and each escaping value rebuilt from logp / entropy and cast back to the dtype it had.
 Mean CE is ``−Σ logp / count(labels != ignore_index)`` (0/0 = nan, as ``F.cross_entropy``). Then the region is
-erased. On ``Reject`` nothing it inserted is left behind (hoisting only moves pure nodes).
+erased.
+
+It runs in four steps: ``plan`` takes every decision (the calls, each one's op variant, the loss mode, what moves
+above the anchor) and every rejection, before the graph changes; ``_emit`` moves the planned pure nodes up and
+inserts the calls; ``_rebuild`` rebuilds the escaping values and erases the region; ``_describe`` words the report.
+A rejection (``A.Reject``) therefore leaves the graph as it was, with nothing to roll back; an error after the plan
+is a bug, and the pipeline's snapshot undoes the whole pass.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import operator
@@ -39,42 +46,7 @@ _SPELLING_OPS = frozenset(
 # --------------------------------------------------------------------------------------------------- rewrite
 
 
-class Builder:
-    """Inserts nodes before ``anchor``, fake-running each so its meta carries ``example_value``."""
-
-    def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode: Any, meta_from: fx.Node) -> None:
-        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
-        self.stack = meta_from.meta.get("nn_module_stack")
-        self.trace = meta_from.meta.get("stack_trace")
-        self.new: list[fx.Node] = []
-
-    def call(self, target: Any, *args: Any, method: bool = False, **kwargs: Any) -> fx.Node:
-        with self.graph.inserting_before(self.anchor):
-            node = (self.graph.call_method if method else self.graph.call_function)(target, args, kwargs)
-        if self.stack is not None:
-            node.meta["nn_module_stack"] = dict(self.stack)
-        if self.trace is not None:
-            node.meta["stack_trace"] = self.trace
-        fa, fk = fx.node.map_arg((args, kwargs), G.example_value)
-        with self.fake_mode:
-            node.meta["example_value"] = getattr(fa[0], target)(*fa[1:], **fk) if method else target(*fa, **fk)
-        self.new.append(node)
-        return node
-
-
-def _hoist(node: Any, anchor: fx.Node, position: dict[fx.Node, int]) -> None:
-    """Move ``node`` (and what it needs) before ``anchor`` when it is defined later; only pure nodes move."""
-    if not isinstance(node, fx.Node) or position.get(node, -1) < position[anchor]:
-        return
-    if node.op not in ("call_function", "call_method") or G.is_inplace(node) or node.is_impure():
-        raise A.Reject(f"{node.name} is computed after the log-probs are first used and cannot be moved")
-    for a in node.all_input_nodes:
-        _hoist(a, anchor, position)
-    anchor.prepend(node)
-    position[node] = position[anchor] - 0.5
-
-
-def _replay(b: Builder, h: fx.Node, node: fx.Node, d: int) -> fx.Node:
+def _replay(b: G.NodeBuilder, h: fx.Node, node: fx.Node, d: int) -> fx.Node:
     """Apply the view/slice ``node`` (of [..., V] logits) to ``h`` ([..., D])."""
     name = G.op(node)
     if name in ("view", "reshape"):
@@ -91,6 +63,40 @@ def temperature_of(chain: A.Chain) -> float:
     return 1.0 / chain.scale
 
 
+@dataclasses.dataclass
+class Call:
+    """One fused call: the logits view ``base``, its labels ``key`` ((labels, ignore_index); None: the statistics
+    only), the op ``variant`` and which optional outputs it returns."""
+
+    base: fx.Node
+    key: tuple | None
+    variant: str  # "plain", "ext" (bias, softcap, lse, Σz, argmax), "vocab_parallel", "loss" (loss-aware)
+    entropy: bool = False
+    lse: bool = False
+    zsum: bool = False
+    argmax: bool = False
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything the rewrite decided before it inserts a node (``plan``); ``emit`` follows it without a check."""
+
+    anchor: fx.Node  # the first use of the region's values outside it: the calls go before it
+    escapes: list[fx.Node]  # the region's values read outside it, rebuilt from the calls' outputs
+    pinned_sizes: list[fx.Node]  # sizes of the logits read outside, replaced by ints
+    calls: list[Call]
+    aliases: dict[fx.Node, dict[tuple, tuple]]  # per base: a gather's labels key -> the CE call on the same labels
+    loss: LA.LossPlan | None  # the loss-aware mode's loss, or None
+    mode: str  # the mode's words for the report ("" when nothing needs grads)
+    hoist: list[fx.Node]  # pure nodes defined after the anchor that the calls read, in the order they move
+    modes: dict[fx.Node, bool | None]  # each node's grad mode (``_grad_modes``)
+    no_grad: set[fx.Node]  # escaping values eager computed without grad
+    switch: bool  # grad mode switched on around the calls
+    fake_mode: Any
+    compute: torch.dtype  # the linear's output dtype: h's, or autocast's
+    in_body: bool
+
+
 def rewrite(
     gm: fx.GraphModule,
     r: A.Region,
@@ -100,20 +106,19 @@ def rewrite(
     tainted: set[fx.Node],
     in_body: bool = False,
 ) -> R.Rewrite:
-    """Insert the fused calls, rebuild each escaping value, erase the region; on A.Reject nothing is left behind."""
-    new: list[fx.Node] = []
-    try:
-        return _rewrite_region(gm, r, escapes, settings, op, new, tainted, in_body)
-    except A.Reject:
-        for node in reversed(new):
-            if not node.users:
-                gm.graph.erase_node(node)
-        raise
+    """Plan the rewrite (every check; ``A.Reject`` leaves the graph as it was), then emit the fused calls, rebuild
+    each escaping value from their outputs, erase the region, and describe what was done."""
+    p = plan(gm, r, escapes, settings, tainted, in_body)
+    emitted = _emit(gm, r, p, settings, op)
+    _rebuild(gm, r, p, emitted)
+    return _describe(r, p, emitted.rows)
 
 
-def _rewrite_region(
-    gm, r, escapes, settings, op, new: list[fx.Node], tainted: set[fx.Node], in_body: bool
-) -> R.Rewrite:
+def plan(
+    gm: fx.GraphModule, r: A.Region, escapes: list[fx.Node], settings: Any, tainted: set[fx.Node], in_body: bool
+) -> Plan:
+    """Decide the calls, each call's op variant, the loss mode and what moves; raises ``A.Reject`` before any
+    change to the graph."""
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(r.values)
@@ -126,192 +131,250 @@ def _rewrite_region(
     modes = _grad_modes(graph)
     no_grad = {n for n in escapes if modes[n] is False}
     switch = modes[anchor] is False and len(no_grad) < len(escapes)
-    if switch:
-        with graph.inserting_before(anchor):
-            new.append(graph.call_function(torch._C._set_grad_enabled, (True,)))
-    lin = r.linear
-    h, weight = lin.input, lin.weight
-    fake_mode = getattr(G.example_value(h), "fake_mode", None)  # the graph's own mode, not the tracing context's
+    fake_mode = getattr(G.example_value(r.linear.input), "fake_mode", None)  # the graph's mode, not the tracer's
     if fake_mode is None:
         raise A.Reject("no fake tensors on the graph to build the rewrite with")
-    b = Builder(graph, anchor, fake_mode, lin.node)
-    b.new = new
-    d = int(G.shape(weight)[1])
-    compute = G.dtype(lin.node)  # the linear's output dtype: h's, or autocast's
-    if G.dtype(weight) != compute:
-        weight = b.call("to", weight, compute, method=True)
 
-    # which (base, labels, ignore) calls each escaping value needs
-    calls: dict[fx.Node, dict[tuple, dict[str, Any]]] = {}
-    needs_entropy: set[fx.Node] = set()
-    needs_lse: set[fx.Node] = set()  # bases of row values with lse on its own (z-loss): the op returns lse
-    needs_zsum: set[fx.Node] = set()  # bases of row values with Σ_j z_j (label smoothing): the op returns it
-    needs_argmax: set[fx.Node] = set()  # bases whose argmax is used (token accuracy)
+    # which (labels, ignore) calls each base needs, and which statistics
+    keyed_by_base: dict[fx.Node, list[tuple]] = {}
+    needs: dict[str, set[fx.Node]] = {"entropy": set(), "lse": set(), "zsum": set(), "argmax": set()}
     for node in escapes:
         v = r.values[node]
         keys = []
         if isinstance(v, A.Argmax):
-            needs_argmax.add(v.base)
+            needs["argmax"].add(v.base)
         elif isinstance(v, A.Reduced):
             keys.append((v.labels, v.ignore))
             if v.smoothing:
-                needs_lse.add(v.base)
-                needs_zsum.add(v.base)
+                needs["lse"].add(v.base)
+                needs["zsum"].add(v.base)
         else:
             if abs(lse_coefficient(v)) > 1e-12:
-                needs_lse.add(v.base)
+                needs["lse"].add(v.base)
             for k, _ in v.terms:
                 if k == "spz":
-                    needs_entropy.add(v.base)
+                    needs["entropy"].add(v.base)
                 elif k == "zsum":
-                    needs_zsum.add(v.base)
-                elif isinstance(k, tuple) and k[0] == "zy":
+                    needs["zsum"].add(v.base)
+                elif _is_term(k, "zy"):
                     keys.append((k[1], A.ANY_NEGATIVE))
                 elif isinstance(k, tuple) and k[0] in ("ce", "wce", "smooth"):
                     keys.append((k[1], k[2]))
                     if k[0] == "smooth":
-                        needs_lse.add(v.base)
-                        needs_zsum.add(v.base)
+                        needs["lse"].add(v.base)
+                        needs["zsum"].add(v.base)
         for key in keys:
-            calls.setdefault(v.base, {}).setdefault(key, {})
-    for base in needs_entropy | needs_lse | needs_zsum | needs_argmax:
-        calls.setdefault(base, {})
+            keyed_by_base.setdefault(v.base, [])
+            if key not in keyed_by_base[v.base]:
+                keyed_by_base[v.base].append(key)
+    for base in set().union(*needs.values()):
+        keyed_by_base.setdefault(base, [])
 
-    # merge a gather's labels (any negative ignore_index) into a CE call on the same labels with a negative one
-    for keyed in calls.values():
-        for labels, ignore in list(keyed):
-            if ignore != A.ANY_NEGATIVE:
-                continue
-            twin = next((k for k in keyed if k[0] is labels and k[1] != A.ANY_NEGATIVE and k[1] < 0), None)
-            keyed[(labels, ignore)] = {"alias": twin} if twin else {}
+    # a gather's labels (any negative ignore_index) share a CE call on the same labels with a negative one
+    aliases: dict[fx.Node, dict[tuple, tuple]] = {}
+    for base, keys in keyed_by_base.items():
+        for labels, ignore in keys:
+            if ignore == A.ANY_NEGATIVE:
+                twin = next((k for k in keys if k[0] is labels and k[1] != A.ANY_NEGATIVE and k[1] < 0), None)
+                if twin is not None:
+                    aliases.setdefault(base, {})[(labels, ignore)] = twin
+
+    vp = r.vocab_parallel
+    extras = needs["lse"] | needs["zsum"] | needs["argmax"]
+    if vp is not None:
+        for base, keys in keyed_by_base.items():
+            chain = r.chain(base)
+            if chain.bias is not None or chain.softcap or base in extras:
+                raise A.Reject(
+                    "a vocab-parallel lm_head with a bias, a softcap or lse on its own (the vocab-parallel op has none)"
+                )
+            for _, ignore in keys:
+                if ignore != A.ANY_NEGATIVE and int(ignore) >= 0:
+                    raise A.Reject(
+                        f"ignore_index={ignore}: the vocab-parallel op needs a negative one (logits gathered)"
+                    )
 
     # the loss-aware mode (grads in the forward) when the escaping values reduce to one scalar loss
-    plan, mode = _loss_mode(r, escapes, calls, settings, modes, switch, tainted, gm if in_body else None, anchor)
+    todo = {base: [k for k in keys if k not in aliases.get(base, {})] or [None] for base, keys in keyed_by_base.items()}
+    loss, mode = _loss_mode(r, escapes, todo, settings, modes, switch, tainted, gm if in_body else None, anchor)
 
-    # everything the calls read must exist before the anchor: move pure label computations up if needed
-    for base, keyed in calls.items():
+    calls = []
+    for base in keyed_by_base:
         chain = r.chain(base)
-        for n in (*(t for _, t in chain.tensor_scales), *(k[0] for k in keyed), chain.bias):
-            _hoist(n, anchor, position)
-    for n in plan.externals if plan is not None else ():
-        _hoist(n, anchor, position)
+        if loss is not None:
+            variant = "loss"
+        elif vp is not None:
+            variant = "vocab_parallel"
+        elif chain.bias is not None or chain.softcap or base in extras:
+            variant = "ext"
+        else:
+            variant = "plain"
+        for i, key in enumerate(todo[base]):  # None: the statistics only; the base's first call returns them
+            first = i == 0
+            calls.append(Call(base, key, variant, *(first and base in needs[s] for s in needs)))
+
+    # everything the calls read must exist before the anchor: the pure label computations defined later move up
+    moved: dict[fx.Node, None] = {}
+    for base, keys in keyed_by_base.items():
+        chain = r.chain(base)
+        for n in (*(t for _, t in chain.tensor_scales), *(k[0] for k in keys), chain.bias):
+            _plan_hoist(n, anchor, position, moved)
+    for n in loss.externals if loss is not None else ():
+        _plan_hoist(n, anchor, position, moved)
     for node in escapes:  # class weights
         v = r.values[node]
         if isinstance(v, A.Argmax):
             continue
         weights = [v.weight] if isinstance(v, A.Reduced) else [k[3] for k, _ in v.terms if _is_term(k, "wce")]
         for w in weights:
-            _hoist(w, anchor, position)
+            _plan_hoist(w, anchor, position, moved)
+    return Plan(anchor, escapes, pinned_sizes, calls, aliases, loss, mode, list(moved), modes, no_grad, switch,
+                fake_mode, G.dtype(r.linear.node), in_body)  # fmt: skip
+
+
+def _plan_hoist(node: Any, anchor: fx.Node, position: dict[fx.Node, int], moved: dict[fx.Node, None]) -> None:
+    """Add ``node`` (after its inputs) to ``moved`` when it is defined after ``anchor``. Only a pure node moves,
+    and only when nothing between the anchor and it writes in place into what it reads (or a view of it)."""
+    if not isinstance(node, fx.Node) or node in moved or position[node] < position[anchor]:
+        return
+    if node.op not in ("call_function", "call_method") or G.is_inplace(node) or node.is_impure():
+        raise A.Reject(f"{node.name} is computed after the log-probs are first used and cannot be moved")
+    between = list(node.graph.nodes)[position[anchor] : position[node]]
+    written = {_storage_root(m): u for u in between for m in G.mutated_args(u)}
+    for a in node.all_input_nodes:
+        if _storage_root(a) in written:
+            raise A.Reject(
+                f"{node.name} reads {a.name}, which {written[_storage_root(a)].name} changes in place after the "
+                "log-probs are first used: it cannot be moved above that"
+            )
+        _plan_hoist(a, anchor, position, moved)
+    moved[node] = None
+
+
+def _storage_root(node: fx.Node) -> fx.Node:
+    """The node whose tensor ``node`` views (through view ops), or ``node`` itself."""
+    while G.is_view_like(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+@dataclasses.dataclass
+class _Emitted:
+    results: dict[fx.Node, dict[Any, Any]]  # per base: each key's (logp, labels, ignore) and the statistics
+    builder: G.NodeBuilder
+    loss_call: dict[str, Any] | None
+    rows: list[int]
+
+
+def _emit(gm: fx.GraphModule, r: A.Region, p: Plan, settings: Any, op: Any) -> _Emitted:
+    """Move the planned nodes up and insert the calls before the anchor."""
+    graph = gm.graph
+    for node in p.hoist:
+        p.anchor.prepend(node)
+    if p.switch:
+        with graph.inserting_before(p.anchor):
+            graph.call_function(torch._C._set_grad_enabled, (True,))
+    lin = r.linear
+    h, weight = lin.input, lin.weight
+    b = G.NodeBuilder(graph, p.anchor, p.fake_mode, lin.node)
+    d = int(G.shape(weight)[1])
+    if G.dtype(weight) != p.compute:
+        weight = b.call("to", weight, p.compute, method=True)
+    device = G.example_value(h).device
+    vp = r.vocab_parallel
 
     results: dict[fx.Node, dict[Any, Any]] = {}
-    n_calls = 0
+    h_of: dict[fx.Node, tuple[fx.Node, Any]] = {}
     rows: list[int] = []
-    for base, keyed in calls.items():
-        chain = r.chain(base)
-        hb = h if G.dtype(h) == compute else b.call("to", h, compute, method=True)
-        for view in chain.replay:
-            hb = _replay(b, hb, view, d)
-        bias = chain.bias
-        for kind, t in chain.tensor_scales:
-            hb = b.call(operator.truediv if kind == "div" else operator.mul, hb, t)
-            if bias is not None:  # (h·Wᵀ + b) / t = (h / t)·Wᵀ + b / t: the bias is scaled with h
-                bias = b.call(operator.truediv if kind == "div" else operator.mul, bias, t)
-        if chain.tensor_scales:
-            hb = b.call("to", hb, compute, method=True)
-            if bias is not None and G.dtype(bias) != G.dtype(chain.bias):
-                bias = b.call("to", bias, G.dtype(chain.bias), method=True)
-        device = G.example_value(h).device
-        rows.append(math.prod(G.hint(s) or 0 for s in G.shape(hb)[:-1]))
-        out: dict[Any, Any] = {"entropy": None, "lse": None, "zsum": None, "argmax": None}
-        todo = [k for k, spec in keyed.items() if "alias" not in spec] or [None]  # None: entropy only
-        for key in todo:
-            if key is None:
-                first = b.call(operator.getitem, hb, (Ellipsis, 0))
-                labels, ignore = b.call(torch.full_like, first, A.DEFAULT_IGNORE, dtype=torch.int64), A.DEFAULT_IGNORE
-            else:
-                labels, ignore = key
-                ignore = _NO_IGNORE if ignore == A.ANY_NEGATIVE else ignore
-                lead = G.shape(hb)[:-1]
-                if not A.same_written_shape(G.shape(labels), lead):
-                    if A.is_static(G.shape(labels)) and A.is_static(lead):  # labels of a reshaped view of these rows
-                        labels = b.call("reshape", labels, [G.static_size(s) for s in lead], method=True)
-                    elif A.ndim_of(labels) == len(lead) + 1:  # a gather index [..., 1]
-                        labels = b.call(torch.squeeze, labels, -1)
-            with_entropy = base in needs_entropy and out["entropy"] is None
-            with_lse = base in needs_lse and out["lse"] is None
-            with_zsum = base in needs_zsum and out["zsum"] is None
-            with_argmax = base in needs_argmax and out["argmax"] is None
-            ls = G.shape(labels)
-            # the chunk setting of this compile (options= included), not the op's default read from the env
-            args = [hb, weight, labels, float(temperature_of(chain)), int(ignore), with_entropy, settings.check_inputs,
-                    int(settings.ce_vocab_chunk)]  # fmt: skip
-            vp = r.vocab_parallel
-            if vp is not None and int(ignore) >= 0:
-                raise A.Reject(f"ignore_index={ignore}: the vocab-parallel op needs a negative one (logits gathered)")
-            extras = needs_lse | needs_zsum | needs_argmax
-            if vp is not None and (chain.bias is not None or chain.softcap or base in extras):
-                raise A.Reject(
-                    "a vocab-parallel lm_head with a bias, a softcap or lse on its own (the vocab-parallel op has none)"
-                )
-            with fake_mode:
-                expected = (
-                    torch.empty(ls, dtype=torch.float32, device=device),
-                    torch.empty(ls if with_entropy else (0,), dtype=torch.float32, device=device),
-                )
-            ext = plan is None and vp is None
-            ext = ext and (chain.bias is not None or bool(chain.softcap) or base in extras)  # loss-aware: a softcap
-            if ext:  # the op with options: a bias, a softcap, lse, Σz, argmax
-                args = [*args, bias, float(chain.softcap), with_lse, with_zsum, with_argmax]
-                fused = b.call(_ext_op(), *args)
-                with fake_mode:
-                    rows_if = [torch.empty(ls if on else (0,), dtype=dt, device=device)
-                               for on, dt in ((with_lse, torch.float32), (with_zsum, torch.float32),
-                                              (with_argmax, torch.int64))]  # fmt: skip
-                    expected = (*expected, *rows_if)
-            elif vp is not None:  # the local weight's statistics, reduced across the group; no logits gathered
-                args = [*args[:6], int(settings.ce_vocab_chunk), vp.group, vp.world, vp.rank]
-                fused = b.call(_vocab_parallel_op(), *args)
-            elif plan is not None:  # extras and key are set once the loss function is extracted (below)
-                detached = [b.call("detach", x, method=True) for x in (hb, weight)]
-                args = [*detached, *args[2:7], [], 0, int(settings.ce_loss_block_rows), _grad_backend(settings, device),
-                        float(chain.softcap)]  # fmt: skip
-                fused = b.call(_loss_op(), *args)
-                with fake_mode:
-                    expected = (
-                        *expected,
-                        torch.empty_like(G.example_value(hb)),
-                        torch.empty_like(G.example_value(weight)),
-                    )
-                loss_call = {"fused": fused, "h": hb, "weight": weight, "entropy": None}
-            else:
-                fused = b.call(op, *args)
-            expect(fused, expected)
-            logp = b.call(operator.getitem, fused, 0)
-            expect(logp, expected[0])
-            n_calls += 1
-            if key is not None:
-                out[key] = (logp, labels, ignore)
-            # the op's outputs after the log-prob, in its order: each one the region reads gets its getitem
-            wanted = (("entropy", with_entropy), ("lse", with_lse), ("zsum", with_zsum), ("argmax", with_argmax))
-            for index, (name, read) in enumerate(wanted, start=1):
-                if read:
-                    out[name] = b.call(operator.getitem, fused, index)
-                    expect(out[name], expected[index])
-            if plan is not None:
-                loss_call.update(
-                    logp=logp, entropy=out["entropy"], grads=[b.call(operator.getitem, fused, i) for i in (2, 3)]
-                )
-                for i, g in zip((2, 3), loss_call["grads"]):
-                    expect(g, expected[i])
-        for key, spec in keyed.items():
-            if "alias" in spec:
-                out[key] = out[spec["alias"]]
-        results[base] = out
+    loss_call = None
+    for call in p.calls:
+        chain = r.chain(call.base)
+        if call.base not in h_of:  # h as the base's logits view reads it: views replayed, a tensor temperature folded
+            hb = h if G.dtype(h) == p.compute else b.call("to", h, p.compute, method=True)
+            for view in chain.replay:
+                hb = _replay(b, hb, view, d)
+            bias = chain.bias
+            for kind, t in chain.tensor_scales:
+                hb = b.call(operator.truediv if kind == "div" else operator.mul, hb, t)
+                if bias is not None:  # (h·Wᵀ + b) / t = (h / t)·Wᵀ + b / t: the bias is scaled with h
+                    bias = b.call(operator.truediv if kind == "div" else operator.mul, bias, t)
+            if chain.tensor_scales:
+                hb = b.call("to", hb, p.compute, method=True)
+                if bias is not None and G.dtype(bias) != G.dtype(chain.bias):
+                    bias = b.call("to", bias, G.dtype(chain.bias), method=True)
+            h_of[call.base] = hb, bias
+            rows.append(math.prod(G.hint(s) or 0 for s in G.shape(hb)[:-1]))
+            results[call.base] = {"entropy": None, "lse": None, "zsum": None, "argmax": None}
+        hb, bias = h_of[call.base]
+        out = results[call.base]
+        if call.key is None:
+            first = b.call(operator.getitem, hb, (Ellipsis, 0))
+            labels, ignore = b.call(torch.full_like, first, A.DEFAULT_IGNORE, dtype=torch.int64), A.DEFAULT_IGNORE
+        else:
+            labels, ignore = call.key
+            ignore = _NO_IGNORE if ignore == A.ANY_NEGATIVE else ignore
+            lead = G.shape(hb)[:-1]
+            if not A.same_written_shape(G.shape(labels), lead):
+                if A.is_static(G.shape(labels)) and A.is_static(lead):  # labels of a reshaped view of these rows
+                    labels = b.call("reshape", labels, [G.static_size(s) for s in lead], method=True)
+                elif A.ndim_of(labels) == len(lead) + 1:  # a gather index [..., 1]
+                    labels = b.call(torch.squeeze, labels, -1)
+        ls = G.shape(labels)
+        # the chunk setting of this compile (options= included), not the op's default read from the env
+        args = [hb, weight, labels, float(temperature_of(chain)), int(ignore), call.entropy, settings.check_inputs,
+                int(settings.ce_vocab_chunk)]  # fmt: skip
+        with p.fake_mode:
+            expected = (
+                torch.empty(ls, dtype=torch.float32, device=device),
+                torch.empty(ls if call.entropy else (0,), dtype=torch.float32, device=device),
+            )
+        if call.variant == "ext":  # the op with options: a bias, a softcap, lse, Σz, argmax
+            fused = b.call(_ext_op(), *args, bias, float(chain.softcap), call.lse, call.zsum, call.argmax)
+            with p.fake_mode:
+                rows_if = [torch.empty(ls if on else (0,), dtype=dt, device=device)
+                           for on, dt in ((call.lse, torch.float32), (call.zsum, torch.float32),
+                                          (call.argmax, torch.int64))]  # fmt: skip
+                expected = (*expected, *rows_if)
+        elif call.variant == "vocab_parallel":  # the local weight's statistics, reduced across the group
+            fused = b.call(_vocab_parallel_op(), *args[:6], int(settings.ce_vocab_chunk), vp.group, vp.world, vp.rank)
+        elif call.variant == "loss":  # the loss function and its externals are set once it is extracted (_rebuild)
+            detached = [b.call("detach", x, method=True) for x in (hb, weight)]
+            fused = b.call(_loss_op(), *detached, *args[2:7], [], 0, int(settings.ce_loss_block_rows),
+                           _grad_backend(settings, device), float(chain.softcap))  # fmt: skip
+            with p.fake_mode:
+                expected = (*expected, torch.empty_like(G.example_value(hb)), torch.empty_like(G.example_value(weight)))
+        else:
+            fused = b.call(op, *args)
+        expect(fused, expected)
+        logp = b.call(operator.getitem, fused, 0)
+        expect(logp, expected[0])
+        if call.key is not None:
+            out[call.key] = (logp, labels, ignore)
+        # the op's outputs after the log-prob, in its order: each one the region reads gets its getitem
+        wanted = (("entropy", call.entropy), ("lse", call.lse), ("zsum", call.zsum), ("argmax", call.argmax))
+        for index, (name, read) in enumerate(wanted, start=1):
+            if read:
+                out[name] = b.call(operator.getitem, fused, index)
+                expect(out[name], expected[index])
+        if call.variant == "loss":
+            grads = [b.call(operator.getitem, fused, i) for i in (2, 3)]
+            for i, g in zip((2, 3), grads):
+                expect(g, expected[i])
+            loss_call = {"fused": fused, "h": hb, "weight": weight, "logp": logp, "entropy": out["entropy"],
+                         "grads": grads}  # fmt: skip
+    for base, twins in p.aliases.items():
+        for key, twin in twins.items():
+            results[base][key] = results[base][twin]
+    return _Emitted(results, b, loss_call, rows)
 
+
+def _rebuild(gm: fx.GraphModule, r: A.Region, p: Plan, e: _Emitted) -> None:
+    """Rebuild each escaping value from the calls' outputs, finish the loss-aware call, erase the region."""
+    graph, b = gm.graph, e.builder
     replaced: dict[fx.Node, fx.Node] = {}
-    for node in escapes:
+    for node in p.escapes:
         v = r.values[node]
-        out = results[v.base]
+        out = e.results[v.base]
         if isinstance(v, A.Reduced):
             value = _reduced_value(b, v, out, r.vocab)
         elif isinstance(v, A.Argmax):
@@ -322,30 +385,29 @@ def _rewrite_region(
         if not A.same_written_shape(G.shape(value), tuple(want.shape)):  # a row value of a reshaped view of the base
             shape = [s if G.static_size(s) is None else G.static_size(s) for s in want.shape]  # pinned: as ints
             value = b.call("reshape", value, _traceable(shape), method=True)
-        if node in no_grad and (modes[anchor] is not False or switch):
+        if node in p.no_grad and (p.modes[p.anchor] is not False or p.switch):
             value = b.call("detach", value, method=True)
         if G.dtype(value) != want.dtype:
             value = b.call("to", value, want.dtype, method=True)
         expect(value, want)
         node.replace_all_uses_with(value)
         replaced[node] = value
-    if plan is not None:
-        mode = _finish_loss_aware(graph, plan, replaced, loss_call, fake_mode, lin.node)
-        if in_body:  # a checkpoint body: keep the op's outputs instead of running the 3 GEMMs again in backward
+    if p.loss is not None:
+        p.mode = _finish_loss_aware(graph, p.loss, replaced, e.loss_call, p.fake_mode, r.linear.node)
+        if p.in_body:  # a checkpoint body: keep the op's outputs instead of running the 3 GEMMs again in backward
             gm.meta[_CONTEXT_FN] = _saves_loss_aware_op()
-            mode += "; its outputs are saved, not recomputed, by the activation checkpoint around it"
+            p.mode += "; its outputs are saved, not recomputed, by the activation checkpoint around it"
 
-    if switch:
-        with graph.inserting_before(anchor):
-            new.append(graph.call_function(torch._C._set_grad_enabled, (False,)))
+    if p.switch:
+        with graph.inserting_before(p.anchor):
+            graph.call_function(torch._C._set_grad_enabled, (False,))
 
-    for node in pinned_sizes:  # every use, the views replayed on h included, gets the int
+    for node in p.pinned_sizes:  # every use, the views replayed on h included, gets the int
         pinned = functools.partial(lambda n, item, a: item if a is n else a, node, r.values[node].item)
         for user in list(node.users):
             user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs), pinned)
 
-    vp = r.vocab_parallel
-    local = lin.node.args[0] if vp is not None else None  # the gather (the region's first node) reads it
+    local = r.linear.node.args[0] if r.vocab_parallel is not None else None  # the gather (first node) reads it
     for node in reversed(r.order):
         if node.users:
             raise RuntimeError(f"fused_linear_ce: {node.name} still has users {list(node.users)} after the rewrite")
@@ -353,23 +415,29 @@ def _rewrite_region(
     if local is not None and not local.users:
         graph.erase_node(local)
 
+
+def _describe(r: A.Region, p: Plan, rows: list[int]) -> R.Rewrite:
+    lin, h = r.linear, r.linear.input
+    bases = list(dict.fromkeys(c.base for c in p.calls))
+    d = int(G.shape(lin.weight)[1])
     n_rows = max(rows) if rows else 0
-    temps = sorted({f"{temperature_of(r.chain(bn)):g}" for bn in calls})
-    tensor_t = any(r.chain(bn).tensor_scales for bn in calls)
+    temps = sorted({f"{temperature_of(r.chain(bn)):g}" for bn in bases})
+    tensor_t = any(r.chain(bn).tensor_scales for bn in bases)
     spelled = dict.fromkeys(G.op(n) for n in r.order if G.op(n) in _SPELLING_OPS)
     joins = ", ".join(f"{k}" if n == 1 else f"{k} (x{n})" for k, n in collections.Counter(r.joins).items())
-    autocast = f"; autocast to {str(compute).replace('torch.', '')}" if compute != G.dtype(h) else ""
-    biases = sorted({r.chain(bn).bias.name for bn in calls if r.chain(bn).bias is not None})
-    caps = sorted({f"{r.chain(bn).softcap:g}" for bn in calls if r.chain(bn).softcap})
+    autocast = f"; autocast to {str(p.compute).replace('torch.', '')}" if p.compute != G.dtype(h) else ""
+    biases = sorted({r.chain(bn).bias.name for bn in bases if r.chain(bn).bias is not None})
+    caps = sorted({f"{r.chain(bn).softcap:g}" for bn in bases if r.chain(bn).softcap})
     autocast += f"; bias {'/'.join(biases)}" if biases else ""
     autocast += f"; softcap {'/'.join(caps)}" if caps else ""
+    vp = r.vocab_parallel
     detail = (
-        f"{', '.join(dict.fromkeys(_output_name(r.values[n]) for n in escapes))} "
+        f"{', '.join(dict.fromkeys(_output_name(r.values[n]) for n in p.escapes))} "
         f"(via {', '.join(spelled)}); temperature {'/'.join(temps)}"
         f"{' (tensor, folded into h)' if tensor_t else ''}{autocast}"
-        f"{f'; rows joined from parts by {joins}' if joins else ''}; {n_calls} fused call(s)"
+        f"{f'; rows joined from parts by {joins}' if joins else ''}; {len(p.calls)} fused call(s)"
         f"{f'; vocab-parallel over {vp.world} ranks (all_reduce max + sum of the row statistics)' if vp else ''}"
-        f"{f'; {mode}' if mode else ''}"
+        f"{f'; {p.mode}' if p.mode else ''}"
     )
     return R.Rewrite(
         NAME,
@@ -382,8 +450,9 @@ def _rewrite_region(
 
 def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) -> tuple[LA.LossPlan | None, str]:
     """(the loss plan, "") for the loss-aware mode, or (None, "recompute mode: <why>") when the region needs grads
-    but cannot have it; (None, "") when nothing needs grads (the op then runs its forward only). ``body``: the
-    higher-order op body (activation checkpoint) the region is in, or None; ``at``: where the op will run."""
+    but cannot have it; (None, "") when nothing needs grads (the op then runs its forward only). ``calls``: each
+    base's call keys; ``body``: the higher-order op body (activation checkpoint) the region is in, or None; ``at``:
+    where the op will run."""
     lin = r.linear
     if not _needs_grad(lin.node):  # no grad needed, or traced under no_grad
         return None, ""
@@ -400,7 +469,7 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) ->
         why = "the loss-aware op has no lse output (z-loss)"
     elif any(_smoothed_or_weighted(r.values[n]) for n in escapes):
         why = "the loss-aware op has no label smoothing (Σz) or class weights"
-    elif len(calls) != 1 or sum(1 for spec in next(iter(calls.values())).values() if "alias" not in spec) > 1:
+    elif len(calls) != 1 or len(next(iter(calls.values()))) > 1:
         why = "more than one fused call (several label sets or views of the logits)"
     elif switch:
         why = "the log-probs are first used under torch.no_grad()"
@@ -431,16 +500,21 @@ def _finish_loss_aware(graph, plan: LA.LossPlan, replaced, call: dict, fake_mode
     loss = replaced.get(plan.loss, plan.loss)
     fn, externals = LA.extract(graph, (call["logp"], call["entropy"]), loss)
     fused = call["fused"]
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for n in externals:  # what the rebuilt values read (labels' count for a mean CE) must precede the call
-        _hoist(n, fused, position)
+    position, moved = {n: i for i, n in enumerate(graph.nodes)}, {}
+    for n in externals:  # what the rebuilt values read (labels' count for a mean CE) must precede the call: the
+        try:  # plan moved the graph's own above the anchor; these are new and pure
+            _plan_hoist(n, fused, position, moved)
+        except A.Reject as exc:
+            raise RuntimeError(f"fused_linear_ce: after the plan was accepted: {exc}") from exc
+    for n in moved:
+        fused.prepend(n)
     # the op has no autograd: it reads detached values (an external's own gradient, a value head's or a learnable
     # coefficient's, flows through the loss math, which stays in the graph)
-    before = Builder(graph, fused, fake_mode, meta_from)
+    before = G.NodeBuilder(graph, fused, fake_mode, meta_from)
     grad_free = [before.call("detach", n, method=True) if _needs_grad(n) else n for n in externals]
     fused.update_arg(7, grad_free)
     fused.update_arg(8, register_loss(fn, fn.code))
-    b = Builder(graph, loss.next, fake_mode, meta_from)
+    b = G.NodeBuilder(graph, loss.next, fake_mode, meta_from)
     zero = b.call(_anchor_op(), call["h"], call["weight"], *call["grads"])
     dtype = G.dtype(loss)
     if dtype != torch.float32:  # the anchor is an fp32 zero: adding it must not promote a bf16 / fp16 loss
@@ -563,7 +637,7 @@ def _smoothed_or_weighted(v: Any) -> bool:
     return any(k == "zsum" or (isinstance(k, tuple) and k[0] in ("wce", "smooth")) for k, _ in v.terms)
 
 
-def _class_weight(b: Builder, weight: fx.Node, labels: fx.Node, ignore: int) -> fx.Node:
+def _class_weight(b: G.NodeBuilder, weight: fx.Node, labels: fx.Node, ignore: int) -> fx.Node:
     """weight[labels] at active rows, 0 at ignored ones (fp32), as nll_loss weighs them."""
     active = b.call(operator.ne, labels, ignore)
     safe = b.call(torch.where, active, labels, 0)
@@ -571,13 +645,13 @@ def _class_weight(b: Builder, weight: fx.Node, labels: fx.Node, ignore: int) -> 
     return b.call(torch.where, active, picked, 0.0)
 
 
-def _smooth_term(b: Builder, out: dict[Any, Any], labels: fx.Node, ignore: int, vocab: int) -> fx.Node:
+def _smooth_term(b: G.NodeBuilder, out: dict[Any, Any], labels: fx.Node, ignore: int, vocab: int) -> fx.Node:
     """Label smoothing's −Σ_j log p_j / V = lse − Σ_j z_j / V at active rows, 0 at ignored ones."""
     per_row = b.call(operator.sub, out["lse"], b.call(operator.truediv, out["zsum"], float(vocab)))
     return b.call(torch.where, b.call(operator.ne, labels, ignore), per_row, 0.0)
 
 
-def _reduced_value(b: Builder, v: A.Reduced, out: dict[Any, Any], vocab: int) -> fx.Node:
+def _reduced_value(b: G.NodeBuilder, v: A.Reduced, out: dict[Any, Any], vocab: int) -> fx.Node:
     """``F.cross_entropy(..., reduction="sum" | "mean")``: Σ (1 − ε)·w_y·(−logp) + ε·smooth over the active rows,
     divided (mean) by Σ w_y (the active rows' count without weights), as torch computes it."""
     logp, labels, ignore = out[(v.labels, v.ignore)]
@@ -599,7 +673,7 @@ def _reduced_value(b: Builder, v: A.Reduced, out: dict[Any, Any], vocab: int) ->
     return total
 
 
-def _row_value(b: Builder, v: A.Row, out: dict[Any, Any], vocab: int) -> fx.Node:
+def _row_value(b: G.NodeBuilder, v: A.Row, out: dict[Any, Any], vocab: int) -> fx.Node:
     t = dict(v.terms)
     parts: list[tuple[fx.Node, float]] = []
     if abs(lse_coefficient(v)) > 1e-12:
