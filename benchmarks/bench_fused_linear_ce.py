@@ -372,7 +372,7 @@ def _breakdown_chunk(K, h, w, y, ga, ge, c):
     z = torch.empty(n, c, device="cuda", dtype=h.dtype)
     acc = torch.zeros(n, d, device="cuda", dtype=torch.float32)
     dw = torch.empty_like(w)
-    _, ent, lse = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, True, chunk=c)
+    _, ent, lse, _ = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, True, chunk=c)
     state = tuple(torch.zeros(n, device="cuda") for _ in range(4))
     outs = tuple(torch.empty(n, device="cuda") for _ in range(3))
 

@@ -471,40 +471,19 @@ def fused_linear_logprob_fwd(
     gemm_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Forward over vocabulary chunks. h [N, D], weight [V, D], labels [N] -> (logp, entropy or None, stats), fp32;
-    stats [N, 2] = (row max m, log Σe) of z, so lse = m + log Σe (both 0 at rows that never needed them).
-    ``bias`` [V] and ``softcap`` (> 0; 0 is none) as in the module docstring.
-
-    No checks here (the op layer validates); labels outside [0, V) that are not ignore_index give a wrong logp
-    but never an out-of-bounds access.
-    """
-    logp, ent, stats, _ = fused_linear_logprob_fwd_ext(
-        h, weight, labels, inv_t, ignore_index, with_entropy, chunk=chunk, use_triton=use_triton,
-        gemm_dtype=gemm_dtype, bias=bias, softcap=softcap,
-    )  # fmt: skip
-    return logp, ent, stats
-
-
-def fused_linear_logprob_fwd_ext(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    inv_t: float,
-    ignore_index: int,
-    with_entropy: bool,
-    *,
-    chunk: int = 0,
-    use_triton: bool | None = None,
-    gemm_dtype: torch.dtype | None = None,
-    bias: torch.Tensor | None = None,
-    softcap: float = 0.0,
     all_rows: bool = False,
     with_zsum: bool = False,
     with_argmax: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Extras]:
-    """``fused_linear_logprob_fwd`` and the ``Extras`` asked for. ``all_rows``: stats of every row, ignored or not
-    (what lse as an output needs); Σz and argmax imply it."""
+    """Forward over vocabulary chunks. h [N, D], weight [V, D], labels [N] -> (logp, entropy or None, stats,
+    extras), fp32; stats [N, 2] = (row max m, log Σe) of z, so lse = m + log Σe (both 0 at rows that never needed
+    them). ``bias`` [V] and ``softcap`` (> 0; 0 is none) as in the module docstring. ``Extras``: Σz and argmax when
+    asked for (None otherwise). ``all_rows``: stats of every row, ignored or not (what lse as an output needs); Σz
+    and argmax imply it.
+
+    No checks here (the op layer validates); labels outside [0, V) that are not ignore_index give a wrong logp
+    but never an out-of-bounds access.
+    """
     all_rows = all_rows or with_zsum or with_argmax
     n, v = h.shape[0], weight.shape[0]
     dev = h.device
@@ -594,43 +573,18 @@ def fused_linear_logprob_bwd(
     chunk: int = 0,
     use_triton: bool | None = None,
     gemm_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Backward over vocabulary chunks: (dh [N, D] or None, dW [V, D] or None) in the input dtypes.
-
-    grad_logp / grad_ent are [N] fp32 contiguous or None (None = zero). grad_ent needs ent.
-    """
-    dh, dw, _ = fused_linear_logprob_bwd_ext(
-        h, weight, labels, stats, ent, grad_logp, grad_ent, inv_t, ignore_index, need_dh, need_dw, chunk=chunk,
-        use_triton=use_triton, gemm_dtype=gemm_dtype,
-    )  # fmt: skip
-    return dh, dw
-
-
-def fused_linear_logprob_bwd_ext(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    stats: torch.Tensor,
-    ent: torch.Tensor | None,
-    grad_logp: torch.Tensor | None,
-    grad_ent: torch.Tensor | None,
-    inv_t: float,
-    ignore_index: int,
-    need_dh: bool = True,
-    need_dw: bool = True,
-    *,
-    chunk: int = 0,
-    use_triton: bool | None = None,
-    gemm_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
     grad_lse: torch.Tensor | None = None,
     grad_zsum: torch.Tensor | None = None,
     need_db: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``fused_linear_logprob_bwd`` with a bias, a softcap and the grads of lse and Σz ([N] fp32 or None; stats
-    must then cover every row): (dh, dW, db [V] in the bias's dtype or None). db is Σ_rows dz, summed in fp32 from
-    the dz the weight's GEMM reads."""
+    """Backward over vocabulary chunks: (dh [N, D] or None, dW [V, D] or None, db [V] or None) in the input dtypes.
+
+    grad_logp / grad_ent / grad_lse / grad_zsum are [N] fp32 contiguous or None (None = zero); grad_ent needs ent,
+    grad_lse and grad_zsum stats of every row. db (the bias's dtype) is Σ_rows dz, summed in fp32 from the dz the
+    weight's GEMM reads.
+    """
     n, d = h.shape
     v = weight.shape[0]
     dev = h.device
@@ -804,9 +758,7 @@ __all__ = [
     "chunk_size",
     "Extras",
     "fused_linear_logprob_bwd",
-    "fused_linear_logprob_bwd_ext",
     "fused_linear_logprob_fwd",
-    "fused_linear_logprob_fwd_ext",
     "fused_linear_logprob_loss_fwd",
     "row_block",
     "probe",

@@ -294,8 +294,8 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         glp, gent = torch.randn(n), torch.randn(n)
         for we in (True, False):
             kw = dict(chunk=64, gemm_dtype=dt)
-            got = K.fused_linear_logprob_fwd(h, w, y, 1 / 0.7, -100, we, use_triton=True, **kw)
-            exp = K.fused_linear_logprob_fwd(h, w, y, 1 / 0.7, -100, we, use_triton=False, **kw)
+            got = K.fused_linear_logprob_fwd(h, w, y, 1 / 0.7, -100, we, use_triton=True, **kw)[:3]
+            exp = K.fused_linear_logprob_fwd(h, w, y, 1 / 0.7, -100, we, use_triton=False, **kw)[:3]
             for a, b in zip(got, exp):
                 assert (a is None) == (b is None)
                 if a is not None:
@@ -307,8 +307,8 @@ _INTERPRET_SCRIPT = textwrap.dedent(
                 torch.testing.assert_close(got[1].double(), ref_ent, rtol=tol, atol=tol)
             stats, ent = exp[2], exp[1]
             args = (h, w, y, stats, ent, glp, gent if we else None, 1 / 0.7, -100)
-            got_g = K.fused_linear_logprob_bwd(*args, use_triton=True, **kw)
-            exp_g = K.fused_linear_logprob_bwd(*args, use_triton=False, **kw)
+            got_g = K.fused_linear_logprob_bwd(*args, use_triton=True, **kw)[:2]
+            exp_g = K.fused_linear_logprob_bwd(*args, use_triton=False, **kw)[:2]
             for a, b in zip(got_g, exp_g):
                 gtol = 1e-5 if dt == torch.float32 else 2e-3
                 torch.testing.assert_close(a.float(), b.float(), rtol=gtol, atol=gtol * b.float().abs().max().item())
@@ -319,8 +319,8 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
     lp_r, ent_r = K.reference_logprob_entropy(hr, wr, y, 0.7)
     (lp_r * glp.double() + ent_r * gent.double()).sum().backward()
-    lp, ent, stats = K.fused_linear_logprob_fwd(h.float(), w.float(), y, 1 / 0.7, -100, True, use_triton=True)
-    dh, dw = K.fused_linear_logprob_bwd(h.float(), w.float(), y, stats, ent, glp, gent, 1 / 0.7, -100, use_triton=True)
+    lp, ent, stats, _ = K.fused_linear_logprob_fwd(h.float(), w.float(), y, 1 / 0.7, -100, True, use_triton=True)
+    dh, dw, _ = K.fused_linear_logprob_bwd(h.float(), w.float(), y, stats, ent, glp, gent, 1 / 0.7, -100, use_triton=True)
     for a, b in ((lp, lp_r), (ent, ent_r), (dh, hr.grad), (dw, wr.grad)):
         torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-5)
     # The forward epilogue's multi-tile path (chunks wider than one tile), forced with a tiny tile cap: the state
@@ -333,8 +333,8 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     for setting in (chunk_launch, K._ROW_LAUNCH):
         K._FWD_LAUNCH = dict(setting, cap=32)
         for we in (True, False):
-            got = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, we, chunk=100, use_triton=True)
-            exp = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, we, chunk=100, use_triton=False)
+            got = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, we, chunk=100, use_triton=True)[:3]
+            exp = K.fused_linear_logprob_fwd(h, w, y, 1.0, -100, we, chunk=100, use_triton=False)[:3]
             for a, b in zip(got, exp):
                 if a is not None:
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -120,8 +120,8 @@ _INTERPRET_SCRIPT = textwrap.dedent(
         for softcap, bias, we in ((0.0, b, False), (2.5, None, True), (2.5, b.to(dt), True)):
             kw = dict(chunk=64, gemm_dtype=dt, bias=bias, softcap=softcap, all_rows=True, with_zsum=True,
                       with_argmax=True)
-            got = K.fused_linear_logprob_fwd_ext(h, w, y, 1 / 0.7, -100, we, use_triton=True, **kw)
-            exp = K.fused_linear_logprob_fwd_ext(h, w, y, 1 / 0.7, -100, we, use_triton=False, **kw)
+            got = K.fused_linear_logprob_fwd(h, w, y, 1 / 0.7, -100, we, use_triton=True, **kw)
+            exp = K.fused_linear_logprob_fwd(h, w, y, 1 / 0.7, -100, we, use_triton=False, **kw)
             for a, e in zip((*got[:3], *got[3]), (*exp[:3], *exp[3])):
                 assert (a is None) == (e is None)
                 if a is not None:
@@ -130,8 +130,8 @@ _INTERPRET_SCRIPT = textwrap.dedent(
             gk = dict(chunk=64, gemm_dtype=dt, bias=bias, softcap=softcap, grad_lse=grads[2], grad_zsum=grads[3],
                       need_db=bias is not None)
             args = (h, w, y, stats, ent, grads[0], grads[1] if we else None, 1 / 0.7, -100)
-            got_g = K.fused_linear_logprob_bwd_ext(*args, use_triton=True, **gk)
-            exp_g = K.fused_linear_logprob_bwd_ext(*args, use_triton=False, **gk)
+            got_g = K.fused_linear_logprob_bwd(*args, use_triton=True, **gk)
+            exp_g = K.fused_linear_logprob_bwd(*args, use_triton=False, **gk)
             for a, e in zip(got_g, exp_g):
                 assert (a is None) == (e is None)
                 if a is not None:

@@ -31,6 +31,7 @@ out-of-bounds access.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import types
@@ -134,172 +135,6 @@ def _active_rows(labels1: torch.Tensor, ignore_index: int) -> torch.Tensor | Non
     return keep.nonzero().squeeze(1)
 
 
-# Was ``_fused_linear_logprob_fwd`` while its third output was lse [...]; renamed with the new output. Graphs that
-# Inductor cached for the old op are not reused: the backend adds a digest of this source to the cache keys.
-@torch.library.custom_op("tilecompile::_fused_linear_logprob_forward", mutates_args=())
-def _fused_linear_logprob_forward(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    with_entropy: bool,
-    check_inputs: bool,
-    vocab_chunk: int = -1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy or empty [0], stats) in fp32; stats is labels' shape + [2]: each row's max logit m and
-    log Σ e^(z - m) (lse = m + log Σe; 0 at rows that never needed them), what the backward needs of the forward."""
-    _check_static(h, weight, labels, temperature)
-    vocab = weight.shape[0]
-    if not h.is_cuda or check_inputs:
-        _check_labels(labels, vocab, ignore_index)
-    h2, labels1 = _flat(h, labels)
-    shape = labels.shape
-    inv_t = 1.0 / float(temperature)
-    chunk = _vocab_chunk(vocab_chunk)
-    rows = None if (h.is_cuda or with_entropy) else _active_rows(labels1, ignore_index)
-    if rows is None:
-        logp, ent, stats = K.fused_linear_logprob_fwd(
-            h2, weight, labels1, inv_t, ignore_index, with_entropy, chunk=chunk
-        )
-    else:
-        n = labels1.shape[0]
-        logp = torch.zeros(n, dtype=torch.float32, device=h.device)
-        stats = torch.zeros(n, 2, dtype=torch.float32, device=h.device)
-        lp_a, _, stats_a = K.fused_linear_logprob_fwd(
-            h2[rows], weight, labels1[rows], inv_t, ignore_index, False, chunk=chunk
-        )
-        logp[rows] = lp_a
-        stats[rows] = stats_a
-        ent = None
-    ent_out = ent.reshape(shape) if ent is not None else h.new_empty(0, dtype=torch.float32)
-    return logp.reshape(shape), ent_out, stats.reshape(*shape, 2)
-
-
-@_fused_linear_logprob_forward.register_fake
-def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, vocab_chunk=-1):
-    _check_static(h, weight, labels, temperature)
-    logp = labels.new_empty(labels.shape, dtype=torch.float32)
-    ent = labels.new_empty(labels.shape if with_entropy else (0,), dtype=torch.float32)
-    stats = labels.new_empty((*labels.shape, 2), dtype=torch.float32)
-    return logp, ent, stats
-
-
-@torch.library.custom_op("tilecompile::fused_linear_logprob_backward", mutates_args=())
-def fused_linear_logprob_backward(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    stats: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    need_grad_h: bool = True,
-    need_grad_weight: bool = True,
-    vocab_chunk: int = -1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_h with h's shape, grad_weight [V, D]) in the input dtype; an empty [0] tensor for a grad not needed.
-
-    stats and entropy are the forward's (labels' shape + [2], and labels' shape; entropy is needed only with
-    grad_entropy); None grads count as zero.
-    """
-    h2, labels1 = _flat(h, labels)
-    stats1 = stats.reshape(-1, 2).contiguous()
-    glp = grad_logp.reshape(-1).float().contiguous() if grad_logp is not None else None
-    gent = grad_entropy.reshape(-1).float().contiguous() if grad_entropy is not None else None
-    ent1 = entropy.reshape(-1).contiguous() if gent is not None else None
-    inv_t = 1.0 / float(temperature)
-    chunk = _vocab_chunk(vocab_chunk)
-    rows = None if (h.is_cuda or gent is not None) else _active_rows(labels1, ignore_index)
-    if rows is None:
-        dh, dw = K.fused_linear_logprob_bwd(
-            h2, weight, labels1, stats1, ent1, glp, gent, inv_t, ignore_index, need_grad_h, need_grad_weight,
-            chunk=chunk,
-        )  # fmt: skip
-    else:
-        dh_a, dw = K.fused_linear_logprob_bwd(
-            h2[rows], weight, labels1[rows], stats1[rows], None, glp[rows] if glp is not None else None, None,
-            inv_t, ignore_index, need_grad_h, need_grad_weight, chunk=chunk,
-        )  # fmt: skip
-        dh = None
-        if dh_a is not None:
-            dh = torch.zeros_like(h2)
-            dh[rows] = dh_a
-    dh_out = dh.reshape(h.shape) if dh is not None else h.new_empty(0)
-    dw_out = dw if dw is not None else weight.new_empty(0)
-    return dh_out, dw_out
-
-
-@fused_linear_logprob_backward.register_fake
-def _(h, weight, labels, stats, entropy, grad_logp, grad_entropy, temperature, ignore_index, need_grad_h=True,
-      need_grad_weight=True, vocab_chunk=-1):  # fmt: skip
-    dh = h.new_empty(h.shape) if need_grad_h else h.new_empty(0)
-    dw = weight.new_empty(weight.shape) if need_grad_weight else weight.new_empty(0)
-    return dh, dw
-
-
-def _setup_context(ctx, inputs, output):
-    h, weight, labels, temperature, ignore_index, with_entropy, _check, vocab_chunk = inputs
-    _logp, ent, stats = output
-    ctx.mark_non_differentiable(stats)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(h, weight, labels, stats, ent)
-    ctx.temperature = temperature
-    ctx.ignore_index = ignore_index
-    ctx.with_entropy = with_entropy
-    ctx.vocab_chunk = vocab_chunk
-
-
-def _backward(ctx, grad_logp, grad_ent, _grad_stats):
-    h, weight, labels, stats, ent = ctx.saved_tensors
-    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if not ctx.with_entropy:
-        grad_ent = None
-    if not (need_h or need_w):
-        return None, None, None, None, None, None, None, None
-    dh, dw = torch.ops.tilecompile.fused_linear_logprob_backward(
-        h, weight, labels, stats, ent, grad_logp, grad_ent, ctx.temperature, ctx.ignore_index, need_h, need_w,
-        ctx.vocab_chunk,
-    )  # fmt: skip
-    return (dh if need_h else None), (dw if need_w else None), None, None, None, None, None, None
-
-
-_fused_linear_logprob_forward.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _fused_linear_logprob(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    with_entropy: bool = True,
-    check_inputs: bool = False,
-    vocab_chunk: int = -1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_static(h, weight, labels, temperature)
-    logp, ent, _stats = torch.ops.tilecompile._fused_linear_logprob_forward(
-        h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), bool(check_inputs),
-        int(vocab_chunk),
-    )  # fmt: skip
-    return logp, ent
-
-
-_lib.impl("fused_linear_logprob", _fused_linear_logprob, "CompositeImplicitAutograd")
-
-
-# ------------------------------------------------------------------------------- options: bias, softcap, extras
-
-_lib.define(
-    "fused_linear_logprob_ext(Tensor h, Tensor weight, Tensor labels, float temperature=1.0, int ignore_index=-100, "
-    "bool with_entropy=True, bool check_inputs=False, int vocab_chunk=-1, Tensor? bias=None, float softcap=0.0, "
-    "bool with_lse=False, bool with_zsum=False, bool with_argmax=False) "
-    "-> (Tensor logp, Tensor entropy, Tensor lse, Tensor zsum, Tensor argmax)"
-)
-
-
 def _check_options(weight: torch.Tensor, bias: torch.Tensor | None, softcap: float) -> None:
     if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not math.isfinite(softcap):
         raise ValueError(f"softcap must be a finite Python float (0: none), got {softcap!r}")
@@ -314,34 +149,41 @@ def _check_options(weight: torch.Tensor, bias: torch.Tensor | None, softcap: flo
             )
 
 
-@torch.library.custom_op("tilecompile::_fused_linear_logprob_forward_ext", mutates_args=())
-def _fused_linear_logprob_forward_ext(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    ignore_index: int,
-    with_entropy: bool,
-    check_inputs: bool,
-    vocab_chunk: int,
-    bias: torch.Tensor | None,
-    softcap: float,
-    with_lse: bool,
-    with_zsum: bool,
-    with_argmax: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, stats, lse, zsum, argmax): ``_fused_linear_logprob_forward``'s three and the extras asked
-    for (an empty [0] tensor each one not asked for); lse, zsum fp32 and argmax int64 with labels' shape."""
+# The two op families (``fused_linear_logprob`` and ``fused_linear_logprob_ext``: bias, softcap, extras) share their
+# implementation below; each keeps its own schema, so graphs and caches that name one stay valid.
+
+
+def _forward(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int,
+    with_entropy: bool, check_inputs: bool, vocab_chunk: int = -1, bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    with_lse: bool = False, with_zsum: bool = False, with_argmax: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(logp, entropy, stats, lse, zsum, argmax) with labels' shape (stats + [2]); an empty [0] tensor for each of
+    entropy, lse, zsum, argmax not asked for."""
     _check_static(h, weight, labels, temperature)
     _check_options(weight, bias, softcap)
     if not h.is_cuda or check_inputs:
         _check_labels(labels, weight.shape[0], ignore_index)
     h2, labels1 = _flat(h, labels)
     shape = labels.shape
-    logp, ent, stats, extras = K.fused_linear_logprob_fwd_ext(
-        h2, weight, labels1, 1.0 / float(temperature), ignore_index, with_entropy, chunk=_vocab_chunk(vocab_chunk),
-        bias=bias, softcap=float(softcap), all_rows=with_lse, with_zsum=with_zsum, with_argmax=with_argmax,
-    )  # fmt: skip
+    options = dict(chunk=_vocab_chunk(vocab_chunk), bias=bias, softcap=float(softcap))
+    all_rows = with_lse or with_zsum or with_argmax
+    rows = None if (h.is_cuda or with_entropy or all_rows) else _active_rows(labels1, ignore_index)
+    inv_t = 1.0 / float(temperature)
+    if rows is None:
+        logp, ent, stats, extras = K.fused_linear_logprob_fwd(
+            h2, weight, labels1, inv_t, ignore_index, with_entropy, all_rows=with_lse, with_zsum=with_zsum,
+            with_argmax=with_argmax, **options,
+        )  # fmt: skip
+    else:  # the active rows alone; the ignored ones get logp 0 and stats 0 (never needed)
+        n = labels1.shape[0]
+        logp = torch.zeros(n, dtype=torch.float32, device=h.device)
+        stats = torch.zeros(n, 2, dtype=torch.float32, device=h.device)
+        logp[rows], _, stats[rows], extras = K.fused_linear_logprob_fwd(
+            h2[rows], weight, labels1[rows], inv_t, ignore_index, False, **options
+        )
+        ent = None
     empty = h.new_empty(0, dtype=torch.float32)
     lse = (stats[:, 0] + stats[:, 1]).reshape(shape) if with_lse else empty
     zsum = extras.zsum.reshape(shape) if with_zsum else empty.clone()
@@ -350,9 +192,8 @@ def _fused_linear_logprob_forward_ext(
     return logp.reshape(shape), ent_out, stats.reshape(*shape, 2), lse, zsum, amax
 
 
-@_fused_linear_logprob_forward_ext.register_fake
-def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, vocab_chunk, bias, softcap, with_lse,
-      with_zsum, with_argmax):  # fmt: skip
+def _fake_forward(h, weight, labels, temperature, with_entropy, bias=None, softcap=0.0, with_lse=False,
+                  with_zsum=False, with_argmax=False) -> tuple[torch.Tensor, ...]:  # fmt: skip
     _check_static(h, weight, labels, temperature)
     _check_options(weight, bias, softcap)
 
@@ -363,108 +204,186 @@ def _(h, weight, labels, temperature, ignore_index, with_entropy, check_inputs, 
     return rows(True), rows(with_entropy), stats, rows(with_lse), rows(with_zsum), rows(with_argmax, torch.int64)
 
 
-@torch.library.custom_op("tilecompile::fused_linear_logprob_backward_ext", mutates_args=())
-def fused_linear_logprob_backward_ext(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    stats: torch.Tensor,
-    entropy: torch.Tensor,
-    bias: torch.Tensor | None,
-    grad_logp: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    grad_lse: torch.Tensor | None,
-    grad_zsum: torch.Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    softcap: float,
-    need_grad_h: bool,
-    need_grad_weight: bool,
-    need_grad_bias: bool,
-    vocab_chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_h, grad_weight, grad_bias) of ``fused_linear_logprob_ext``; an empty [0] tensor for a grad not needed."""
+def _backward_grads(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, entropy: torch.Tensor,
+    grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, temperature: float, ignore_index: int,
+    need_grad_h: bool = True, need_grad_weight: bool = True, vocab_chunk: int = -1, bias: torch.Tensor | None = None,
+    softcap: float = 0.0, grad_lse: torch.Tensor | None = None, grad_zsum: torch.Tensor | None = None,
+    need_grad_bias: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(grad_h with h's shape, grad_weight [V, D], grad_bias [V]) in the input dtypes; an empty [0] tensor for a
+    grad not needed. None grads count as zero; entropy is needed only with grad_entropy."""
 
     def flat(g: torch.Tensor | None) -> torch.Tensor | None:
         return g.reshape(-1).float().contiguous() if g is not None else None
 
     h2, labels1 = _flat(h, labels)
-    gent = flat(grad_entropy)
-    dh, dw, db = K.fused_linear_logprob_bwd_ext(
-        h2, weight, labels1, stats.reshape(-1, 2).contiguous(), entropy.reshape(-1).contiguous() if gent is not None
-        else None, flat(grad_logp), gent, 1.0 / float(temperature), ignore_index, need_grad_h, need_grad_weight,
-        chunk=_vocab_chunk(vocab_chunk), bias=bias, softcap=float(softcap), grad_lse=flat(grad_lse),
-        grad_zsum=flat(grad_zsum), need_db=need_grad_bias,
-    )  # fmt: skip
+    stats1 = stats.reshape(-1, 2).contiguous()
+    glp, gent, glse, gzs = flat(grad_logp), flat(grad_entropy), flat(grad_lse), flat(grad_zsum)
+    ent1 = entropy.reshape(-1).contiguous() if gent is not None else None
+    options = dict(chunk=_vocab_chunk(vocab_chunk), bias=bias, softcap=float(softcap), need_db=need_grad_bias)
+    every_row = gent is not None or glse is not None or gzs is not None
+    rows = None if (h.is_cuda or every_row) else _active_rows(labels1, ignore_index)
+    inv_t = 1.0 / float(temperature)
+    if rows is None:
+        dh, dw, db = K.fused_linear_logprob_bwd(
+            h2, weight, labels1, stats1, ent1, glp, None if gent is None else gent, inv_t, ignore_index, need_grad_h,
+            need_grad_weight, grad_lse=glse, grad_zsum=gzs, **options,
+        )  # fmt: skip
+    else:  # the ignored rows' dz is 0: their dh is 0 and they add nothing to dW and db
+        dh_a, dw, db = K.fused_linear_logprob_bwd(
+            h2[rows], weight, labels1[rows], stats1[rows], None, glp[rows] if glp is not None else None, None,
+            inv_t, ignore_index, need_grad_h, need_grad_weight, **options,
+        )  # fmt: skip
+        dh = None
+        if dh_a is not None:
+            dh = torch.zeros_like(h2)
+            dh[rows] = dh_a
     dh_out = dh.reshape(h.shape) if dh is not None else h.new_empty(0)
     dw_out = dw if dw is not None else weight.new_empty(0)
     db_out = db if db is not None else weight.new_empty(0)
     return dh_out, dw_out, db_out
 
 
-@fused_linear_logprob_backward_ext.register_fake
-def _(h, weight, labels, stats, entropy, bias, grad_logp, grad_entropy, grad_lse, grad_zsum, temperature, ignore_index,
-      softcap, need_grad_h, need_grad_weight, need_grad_bias, vocab_chunk):  # fmt: skip
+def _fake_grads(h, weight, bias, need_grad_h, need_grad_weight, need_grad_bias) -> tuple[torch.Tensor, ...]:
     dh = h.new_empty(h.shape) if need_grad_h else h.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_grad_weight else weight.new_empty(0)
     db = bias.new_empty(bias.shape) if (need_grad_bias and bias is not None) else weight.new_empty(0)
     return dh, dw, db
 
 
-def _ext_setup_context(ctx, inputs, output):
-    h, weight, labels, temperature, ignore_index, with_entropy, _check, vocab_chunk, bias, softcap = inputs[:10]
-    ctx.with_lse, ctx.with_zsum = inputs[10], inputs[11]
-    _logp, ent, stats, _lse, _zsum, amax = output
-    ctx.mark_non_differentiable(stats, amax)
+# The ops' arguments, in their schemas' order: the base family's, then the options of the ``_ext`` family.
+_ARGS = (
+    "Tensor h, Tensor weight, Tensor labels, float temperature, int ignore_index, bool with_entropy, "
+    "bool check_inputs, int vocab_chunk"
+)
+_OPTIONS = "Tensor? bias, float softcap, bool with_lse, bool with_zsum, bool with_argmax"
+_GRAD_ARGS = (
+    "Tensor h, Tensor weight, Tensor labels, Tensor stats, Tensor entropy, Tensor? grad_logp, Tensor? grad_entropy, "
+    "float temperature, int ignore_index, bool need_grad_h, bool need_grad_weight, int vocab_chunk"
+)
+
+
+def _op(name: str, schema: str, impl: Any, fake: Any) -> Any:
+    op = torch.library.custom_op(f"tilecompile::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    return op
+
+
+# (logp, entropy or empty [0], stats) in fp32; stats is labels' shape + [2]: each row's max logit m and log Σ e^(z - m)
+# (lse = m + log Σe; 0 at rows that never needed them), what the backward needs of the forward. Was
+# ``_fused_linear_logprob_fwd`` while its third output was lse [...]; renamed with the new output. Graphs that
+# Inductor cached for the old op are not reused: the backend adds a digest of this source to the cache keys.
+_fused_linear_logprob_forward = _op(
+    "_fused_linear_logprob_forward",
+    "(" + _ARGS.replace("int vocab_chunk", "int vocab_chunk=-1") + ") -> (Tensor, Tensor, Tensor)",
+    lambda *args: _forward(*args)[:3],
+    lambda h, weight, labels, temperature, ignore_index, with_entropy, *_: _fake_forward(
+        h, weight, labels, temperature, with_entropy
+    )[:3],
+)
+
+# (grad_h with h's shape, grad_weight [V, D]) in the input dtype; an empty [0] tensor for a grad not needed. stats
+# and entropy are the forward's (entropy is needed only with grad_entropy); None grads count as zero.
+fused_linear_logprob_backward = _op(
+    "fused_linear_logprob_backward",
+    "("
+    + _GRAD_ARGS.replace(
+        "h, bool need_grad_weight, int vocab_chunk", "h=True, bool need_grad_weight=True, int vocab_chunk=-1"
+    )
+    + ") -> (Tensor, Tensor)",
+    lambda *args: _backward_grads(*args)[:2],
+    lambda h, weight, labels, stats, entropy, glp, gent, t, ignore, need_h=True, need_w=True, *_: _fake_grads(
+        h, weight, None, need_h, need_w, False
+    )[:2],
+)
+
+# (logp, entropy, stats, lse, zsum, argmax): the three above and the extras asked for (an empty [0] tensor each one
+# not asked for); lse, zsum fp32 and argmax int64 with labels' shape.
+_fused_linear_logprob_forward_ext = _op(
+    "_fused_linear_logprob_forward_ext",
+    f"({_ARGS}, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _forward,
+    lambda h, weight, labels, temperature, ignore_index, with_entropy, check, chunk, *options: _fake_forward(
+        h, weight, labels, temperature, with_entropy, *options
+    ),
+)
+
+# (grad_h, grad_weight, grad_bias) of ``fused_linear_logprob_ext``; an empty [0] tensor for a grad not needed.
+fused_linear_logprob_backward_ext = _op(
+    "fused_linear_logprob_backward_ext",
+    f"({_GRAD_ARGS}, Tensor? bias, float softcap, Tensor? grad_lse, Tensor? grad_zsum, bool need_grad_bias) "
+    "-> (Tensor, Tensor, Tensor)",
+    _backward_grads,
+    lambda h, weight, *rest: _fake_grads(h, weight, rest[10], rest[7], rest[8], rest[14]),
+)
+
+
+def _setup_context(ctx, inputs, output):
+    h, weight, labels, temperature, ignore_index, with_entropy, _check, vocab_chunk, *options = inputs
+    bias, softcap, with_lse, with_zsum, _ = options or (None, 0.0, False, False, False)
+    ent, stats = output[1], output[2]
+    ctx.mark_non_differentiable(*output[2:3], *output[5:])  # stats, and argmax
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(h, weight, labels, stats, ent, bias)
+    ctx.ext = bool(options)
     ctx.args = (float(temperature), int(ignore_index), float(softcap), int(vocab_chunk), bool(with_entropy))
+    ctx.with_lse, ctx.with_zsum = with_lse, with_zsum
 
 
-def _ext_backward(ctx, grad_logp, grad_ent, _grad_stats, grad_lse, grad_zsum, _grad_argmax):
+def _backward(ctx, grad_logp, grad_ent, _grad_stats, grad_lse=None, grad_zsum=None, _grad_argmax=None):
     h, weight, labels, stats, ent, bias = ctx.saved_tensors
     temperature, ignore_index, softcap, vocab_chunk, with_entropy = ctx.args
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = bias is not None and ctx.needs_input_grad[8]
-    none = (None,) * 13
+    none = (None,) * (13 if ctx.ext else 8)
     if not (need_h or need_w or need_b):
         return none
-    dh, dw, db = torch.ops.tilecompile.fused_linear_logprob_backward_ext(
-        h, weight, labels, stats, ent, bias, grad_logp, grad_ent if with_entropy else None,
-        grad_lse if ctx.with_lse else None, grad_zsum if ctx.with_zsum else None, temperature, ignore_index,
-        softcap, need_h, need_w, need_b, vocab_chunk,
-    )  # fmt: skip
+    common = (h, weight, labels, stats, ent, grad_logp, grad_ent if with_entropy else None, temperature, ignore_index,
+              need_h, need_w, vocab_chunk)  # fmt: skip
+    if not ctx.ext:
+        dh, dw = fused_linear_logprob_backward(*common)
+        return (dh if need_h else None), (dw if need_w else None), *none[2:]
+    dh, dw, db = fused_linear_logprob_backward_ext(
+        *common, bias, softcap, grad_lse if ctx.with_lse else None, grad_zsum if ctx.with_zsum else None, need_b
+    )
     return (dh if need_h else None), (dw if need_w else None), *none[:6], (db if need_b else None), *none[:4]
 
 
-_fused_linear_logprob_forward_ext.register_autograd(_ext_backward, setup_context=_ext_setup_context)
+_fused_linear_logprob_forward.register_autograd(_backward, setup_context=_setup_context)
+_fused_linear_logprob_forward_ext.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _fused_linear_logprob_ext(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    with_entropy: bool = True,
-    check_inputs: bool = False,
-    vocab_chunk: int = -1,
-    bias: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    with_lse: bool = False,
-    with_zsum: bool = False,
-    with_argmax: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+_lib.define(
+    "fused_linear_logprob_ext(Tensor h, Tensor weight, Tensor labels, float temperature=1.0, int ignore_index=-100, "
+    "bool with_entropy=True, bool check_inputs=False, int vocab_chunk=-1, Tensor? bias=None, float softcap=0.0, "
+    "bool with_lse=False, bool with_zsum=False, bool with_argmax=False) "
+    "-> (Tensor logp, Tensor entropy, Tensor lse, Tensor zsum, Tensor argmax)"
+)
+
+
+def _public(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, ignore_index: int = -100,
+    with_entropy: bool = True, check_inputs: bool = False, vocab_chunk: int = -1, bias: torch.Tensor | None = None,
+    softcap: float = 0.0, with_lse: bool = False, with_zsum: bool = False, with_argmax: bool = False, *, ext: bool,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``fused_linear_logprob`` (``ext=False``: (logp, entropy)) and ``fused_linear_logprob_ext`` ((logp, entropy,
+    lse, zsum, argmax)): the static checks (they trace), then the custom op."""
     _check_static(h, weight, labels, temperature)
+    args = (h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), bool(check_inputs),
+            int(vocab_chunk))  # fmt: skip
+    if not ext:
+        logp, ent, _stats = torch.ops.tilecompile._fused_linear_logprob_forward(*args)
+        return logp, ent
     _check_options(weight, bias, softcap)
     logp, ent, _stats, lse, zsum, amax = torch.ops.tilecompile._fused_linear_logprob_forward_ext(
-        h, weight, labels, float(temperature), int(ignore_index), bool(with_entropy), bool(check_inputs),
-        int(vocab_chunk), bias, float(softcap), bool(with_lse), bool(with_zsum), bool(with_argmax),
-    )  # fmt: skip
+        *args, bias, float(softcap), bool(with_lse), bool(with_zsum), bool(with_argmax)
+    )
     return logp, ent, lse, zsum, amax
 
 
-_lib.impl("fused_linear_logprob_ext", _fused_linear_logprob_ext, "CompositeImplicitAutograd")
+_lib.impl("fused_linear_logprob", functools.partial(_public, ext=False), "CompositeImplicitAutograd")
+_lib.impl("fused_linear_logprob_ext", functools.partial(_public, ext=True), "CompositeImplicitAutograd")
 
 
 # ------------------------------------------------------------------------------------------- loss-aware mode
@@ -740,7 +659,7 @@ def _fused_linear_logprob_local_stats(
     if not h.is_cuda:
         _check_labels(labels, vocab, ignore_index)
     h2, labels1 = _flat(h, _local_labels(labels, lo, weight.shape[0], ignore_index))
-    logp, ent, stats = K.fused_linear_logprob_fwd(
+    logp, ent, stats, _ = K.fused_linear_logprob_fwd(
         h2, weight, labels1, 1.0 / float(temperature), ignore_index, True, chunk=_vocab_chunk(vocab_chunk)
     )
     m, log_s = stats[:, 0], stats[:, 1]
