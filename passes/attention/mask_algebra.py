@@ -283,24 +283,23 @@ def _chunk_cmp(node: fx.Node | None, op: str, a: Any, b: Any) -> Bool:
     return Bool("chunk", (a.num, b.num, a.k))
 
 
-def _and(a: Bool, b: Bool) -> Bool:
-    if a == FALSE or b == FALSE:
-        return FALSE
-    if a == TRUE:
+def _join(kind: str, a: Bool, b: Bool, absorbing: Bool, identity: Bool) -> Bool:
+    """``a and b`` (absorbing FALSE, identity TRUE) or ``a or b`` (absorbing TRUE, identity FALSE), constants folded."""
+    if a == absorbing or b == absorbing:
+        return absorbing
+    if a == identity:
         return b
-    if b == TRUE:
+    if b == identity:
         return a
-    return Bool("and", (a, b))
+    return Bool(kind, (a, b))
+
+
+def _and(a: Bool, b: Bool) -> Bool:
+    return _join("and", a, b, FALSE, TRUE)
 
 
 def _or(a: Bool, b: Bool) -> Bool:
-    if a == TRUE or b == TRUE:
-        return TRUE
-    if a == FALSE:
-        return b
-    if b == FALSE:
-        return a
-    return Bool("or", (a, b))
+    return _join("or", a, b, TRUE, FALSE)
 
 
 def _not(a: Bool) -> Bool:

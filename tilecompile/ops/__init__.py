@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+
+
+def define_op(name: str, schema: str, impl: Any, fake: Any) -> Any:
+    """The custom op ``tilecompile::<name>`` declared by its schema (where its arguments and their types are written
+    once), with its implementation and its fake; both take the schema's arguments in order."""
+    op = torch.library.custom_op(f"tilecompile::{name}", impl, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    return op
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:

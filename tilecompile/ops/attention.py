@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from tilecompile.kernels import attention as K
+from tilecompile.ops import define_op
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -146,22 +147,7 @@ def _(q, k, v, pos, doc, valid, lo, hi, scale, plan):
     return K.token_major(q, b, h, n, v.shape[-1]), q.new_empty((b, h, n), dtype=lse_dtype)
 
 
-@torch.library.custom_op("tilecompile::masked_attention_backward", mutates_args=())
-def masked_attention_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    pos: torch.Tensor | None,
-    doc: torch.Tensor | None,
-    valid: torch.Tensor | None,
-    lo: int | None,
-    hi: int | None,
-    scale: float,
-    plan: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_backward(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, scale, plan):
     pk = _packed(q, k, v, pos, doc, valid, lo, hi, plan)
     if pk is not None:
         PATHS["flash"] += 1
@@ -170,9 +156,14 @@ def masked_attention_backward(
     return K.chunked_bwd(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, float(scale))
 
 
-@masked_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, scale, plan):
-    return tuple(K.token_major(t, *t.shape) for t in (q, k, v))  # the layout every path returns
+# (dq, dk, dv) of masked_attention, in the layout every path returns
+masked_attention_backward = define_op(
+    "masked_attention_backward",
+    "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? pos, Tensor? doc, "
+    "Tensor? valid, SymInt? lo, SymInt? hi, float scale, Tensor[] plan) -> (Tensor, Tensor, Tensor)",
+    _attention_backward,
+    lambda grad_out, q, k, v, *_: tuple(K.token_major(t, *t.shape) for t in (q, k, v)),
+)
 
 
 def _setup_context(ctx, inputs, output):

@@ -42,7 +42,7 @@ import torch
 
 from tilecompile import config
 from tilecompile.kernels import fused_linear_ce as K
-from tilecompile.ops import own_autograd
+from tilecompile.ops import define_op, own_autograd
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LABEL_DTYPES = (torch.int32, torch.int64)
@@ -264,17 +264,11 @@ _GRAD_ARGS = (
 )
 
 
-def _op(name: str, schema: str, impl: Any, fake: Any) -> Any:
-    op = torch.library.custom_op(f"tilecompile::{name}", impl, mutates_args=(), schema=schema)
-    op.register_fake(fake)
-    return op
-
-
 # (logp, entropy or empty [0], stats) in fp32; stats is labels' shape + [2]: each row's max logit m and log Σ e^(z - m)
 # (lse = m + log Σe; 0 at rows that never needed them), what the backward needs of the forward. Was
 # ``_fused_linear_logprob_fwd`` while its third output was lse [...]; renamed with the new output. Graphs that
 # Inductor cached for the old op are not reused: the backend adds a digest of this source to the cache keys.
-_fused_linear_logprob_forward = _op(
+_fused_linear_logprob_forward = define_op(
     "_fused_linear_logprob_forward",
     "(" + _ARGS.replace("int vocab_chunk", "int vocab_chunk=-1") + ") -> (Tensor, Tensor, Tensor)",
     lambda *args: _forward(*args)[:3],
@@ -285,7 +279,7 @@ _fused_linear_logprob_forward = _op(
 
 # (grad_h with h's shape, grad_weight [V, D]) in the input dtype; an empty [0] tensor for a grad not needed. stats
 # and entropy are the forward's (entropy is needed only with grad_entropy); None grads count as zero.
-fused_linear_logprob_backward = _op(
+fused_linear_logprob_backward = define_op(
     "fused_linear_logprob_backward",
     "("
     + _GRAD_ARGS.replace(
@@ -300,7 +294,7 @@ fused_linear_logprob_backward = _op(
 
 # (logp, entropy, stats, lse, zsum, argmax): the three above and the extras asked for (an empty [0] tensor each one
 # not asked for); lse, zsum fp32 and argmax int64 with labels' shape.
-_fused_linear_logprob_forward_ext = _op(
+_fused_linear_logprob_forward_ext = define_op(
     "_fused_linear_logprob_forward_ext",
     f"({_ARGS}, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _forward,
@@ -310,7 +304,7 @@ _fused_linear_logprob_forward_ext = _op(
 )
 
 # (grad_h, grad_weight, grad_bias) of ``fused_linear_logprob_ext``; an empty [0] tensor for a grad not needed.
-fused_linear_logprob_backward_ext = _op(
+fused_linear_logprob_backward_ext = define_op(
     "fused_linear_logprob_backward_ext",
     f"({_GRAD_ARGS}, Tensor? bias, float softcap, Tensor? grad_lse, Tensor? grad_zsum, bool need_grad_bias) "
     "-> (Tensor, Tensor, Tensor)",

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from tilecompile.kernels import tiled_mlp as K
+from tilecompile.ops import define_op
 
 __all__ = ["ACTIVATIONS", "GRAD_ACCUM", "chunk_size_for", "tiled_gated_mlp"]
 
@@ -152,16 +153,10 @@ def check_options(name: str, activation: str, chunk_tokens: int, budget_mb: int,
         raise ValueError(f"{name}: budget_mb must be > 0 when chunk_tokens is 0, got {budget_mb}")
 
 
-def _check_tensors(
-    x: Tensor,
-    gate_weight: Tensor,
-    gate_bias: Tensor | None,
-    up_weight: Tensor,
-    up_bias: Tensor | None,
-    down_weight: Tensor,
-    down_bias: Tensor | None,
-) -> None:
-    """The op's tensor checks (after ``check_options``), run by the op and its fake alike."""
+def _check_tensors(x: Tensor, *weights: Tensor | None) -> None:
+    """The op's tensor checks (after ``check_options``), run by the op and its fake alike; ``weights``: gate_weight,
+    gate_bias, up_weight, up_bias, down_weight, down_bias as the op takes them."""
+    gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias = weights
     if x.dim() < 1:
         raise ValueError("tiled_gated_mlp: x must have at least one dimension [..., D]")
     d, i = x.shape[-1], gate_weight.shape[0]
@@ -233,19 +228,8 @@ def _tiled_gated_mlp_op(
 
 
 @_tiled_gated_mlp_op.register_fake
-def _(
-    x,
-    gate_weight,
-    gate_bias,
-    up_weight,
-    up_bias,
-    down_weight,
-    down_bias,
-    activation,
-    chunk_tokens=0,
-    budget_mb=256,
-    grad_accum="fp32",
-):
+def _(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation, chunk_tokens=0, budget_mb=256,
+      grad_accum="fp32"):  # fmt: skip
     check_options("tiled_gated_mlp", activation, chunk_tokens, budget_mb, grad_accum)
     _check_tensors(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
@@ -319,21 +303,9 @@ def _normalise_needs(needs_grad, gate_bias, up_bias) -> list[bool]:
     return needs
 
 
-@torch.library.custom_op("tilecompile::tiled_gated_mlp_backward", mutates_args=())
-def _tiled_gated_mlp_backward_op(
-    grad_out: Tensor,
-    x: Tensor,
-    gate_weight: Tensor,
-    gate_bias: Tensor | None,
-    up_weight: Tensor,
-    up_bias: Tensor | None,
-    down_weight: Tensor,
-    activation: str,
-    chunk_tokens: int,
-    budget_mb: int,
-    grad_accum: str,
-    needs_grad: list[bool],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _backward_grads(grad_out, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, activation, chunk_tokens,
+                    budget_mb, grad_accum, needs_grad):  # fmt: skip
+    """(dx, dWg, dbg, dWu, dbu, dWd, dbd) of the tiled MLP; an empty [0] tensor for a grad not needed."""
     need_x, need_wg, need_bg, need_wu, need_bu, need_wd, need_bd = _normalise_needs(needs_grad, gate_bias, up_bias)
     d, i, d_out = x.shape[-1], gate_weight.shape[0], down_weight.shape[0]
     x2 = x.reshape(-1, d)
@@ -440,35 +412,24 @@ def _tiled_gated_mlp_backward_op(
     return g_x, g_wg, g_bg, g_wu, g_bu, g_wd, g_bd
 
 
-@_tiled_gated_mlp_backward_op.register_fake
-def _(
-    grad_out,
-    x,
-    gate_weight,
-    gate_bias,
-    up_weight,
-    up_bias,
-    down_weight,
-    activation,
-    chunk_tokens,
-    budget_mb,
-    grad_accum,
-    needs_grad,
-):
-    needs = _normalise_needs(needs_grad, gate_bias, up_bias)
+def _fake_grads(grad_out, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, *settings_and_needs):
+    needs = _normalise_needs(settings_and_needs[-1], gate_bias, up_bias)
     shapes = _grad_shapes(x, gate_weight, up_weight, down_weight)
-    dtypes = [
-        x.dtype,
-        gate_weight.dtype,
-        gate_weight.dtype,
-        up_weight.dtype,
-        up_weight.dtype,
-        down_weight.dtype,
-        down_weight.dtype,
-    ]
+    dtypes = [x.dtype, gate_weight.dtype, gate_weight.dtype, up_weight.dtype, up_weight.dtype, down_weight.dtype,
+              down_weight.dtype]  # fmt: skip
     return tuple(
         x.new_empty(shape, dtype=dt) if need else x.new_empty((0,)) for need, shape, dt in zip(needs, shapes, dtypes)
     )
+
+
+define_op(
+    "tiled_gated_mlp_backward",
+    "(Tensor grad_out, Tensor x, Tensor gate_weight, Tensor? gate_bias, Tensor up_weight, Tensor? up_bias, "
+    "Tensor down_weight, str activation, SymInt chunk_tokens, SymInt budget_mb, str grad_accum, bool[] needs_grad) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _backward_grads,
+    _fake_grads,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
