@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import graph as G
+from tilecompile import graph as fxgraph
 from tilecompile.pass_api import PassContext, PassResult
-from tilecompile.passes.lm_head import library_kernels as LK
+from tilecompile.passes.lm_head import library_kernels
 
 NAME = "canonical"
 
@@ -38,7 +38,7 @@ _NEUTRAL = {"add": (0, True), "sub": (0, False), "mul": (1, True), "div": (1, Fa
 _MIN_MAX = {"min": torch.minimum, "max": torch.maximum}
 # ops whose result may share storage with their first argument (a write into one shows in the other)
 _ALIASING = frozenset({
-    *G.VIEW_OPS, "getitem", "expand", "expand_as", "narrow", "select", "detach", "split", "chunk", "unbind",
+    *fxgraph.VIEW_OPS, "getitem", "expand", "expand_as", "narrow", "select", "detach", "split", "chunk", "unbind",
     "tensor_split", "split_with_sizes", "diagonal", "movedim", "swapaxes", "swapdims", "unfold", "as_strided",
     "view_as", "reshape_as", "alias", "real", "imag", "view_as_real", "view_as_complex", "T", "mT", "H", "mH",
 })  # fmt: skip
@@ -50,7 +50,7 @@ def _literal(value: Any) -> bool:
 
 def neutral_operand(node: fx.Node) -> fx.Node | None:
     """The tensor ``node`` adds 0 to, subtracts 0 from, multiplies or divides by 1, or None."""
-    name = G.op(node)
+    name = fxgraph.op(node)
     if name not in _NEUTRAL or len(node.args) != 2 or node.kwargs:
         return None
     neutral, may_lead = _NEUTRAL[name]
@@ -64,13 +64,15 @@ def neutral_operand(node: fx.Node) -> fx.Node | None:
 
 def _same_value(node: fx.Node, x: fx.Node) -> bool:
     """``node`` would be ``x`` itself: same dtype, device, shape, strides and requires_grad."""
-    v, u = G.example_value(node), G.example_value(x)
+    v, u = fxgraph.example_value(node), fxgraph.example_value(x)
     if not isinstance(v, torch.Tensor) or not isinstance(u, torch.Tensor):
         return False
     if (v.dtype, v.device, v.requires_grad) != (u.dtype, u.device, u.requires_grad):
         return False
     try:
-        return G.same_shape(tuple(v.shape), tuple(u.shape)) and G.same_shape(tuple(v.stride()), tuple(u.stride()))
+        return fxgraph.same_shape(tuple(v.shape), tuple(u.shape)) and fxgraph.same_shape(
+            tuple(v.stride()), tuple(u.stride())
+        )
     except Exception:  # noqa: BLE001 - a sparse or opaque tensor has no strides: keep the node
         return False
 
@@ -81,7 +83,7 @@ def _alias_root(node: Any) -> Any:
         if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
             return node
         is_attr = node.op == "call_function" and node.target is getattr
-        if not (is_attr or G.op(node) in _ALIASING or G.cast_target(node) is not None):
+        if not (is_attr or fxgraph.op(node) in _ALIASING or fxgraph.cast_target(node) is not None):
             return node  # a cast may return its input itself (``.float()`` of a float tensor): an alias too
         node = node.args[0]
     return node
@@ -93,7 +95,7 @@ def _written_roots(graph: fx.Graph) -> set[fx.Node]:
     its logits in place)."""
     roots = set()
     for node in graph.nodes:
-        targets = list(G.mutated_args(node))
+        targets = list(fxgraph.mutated_args(node))
         if isinstance(node.target, torch._ops.HigherOrderOperator):
             targets += node.all_input_nodes
         for target in targets:
@@ -120,13 +122,13 @@ def _returned(node: fx.Node) -> bool:
 def as_min_max(node: fx.Node) -> Any:
     """``torch.minimum`` / ``torch.maximum`` when ``node`` is ``torch.min(a, b)`` / ``torch.max(a, b)`` (or the method
     ``a.min(b)``) of two tensors; None for the reductions (``torch.min(a)``, ``torch.min(a, dim)``)."""
-    name = G.op(node)
+    name = fxgraph.op(node)
     if name not in _MIN_MAX or set(node.kwargs) - {"other"}:
         return None
-    other = G.arg(node, 1, "other")
-    if len(node.args) + len(node.kwargs) != 2 or not isinstance(G.arg(node, 0), fx.Node):
+    other = fxgraph.arg(node, 1, "other")
+    if len(node.args) + len(node.kwargs) != 2 or not isinstance(fxgraph.arg(node, 0), fx.Node):
         return None
-    if not isinstance(other, fx.Node) or not isinstance(G.example_value(other), torch.Tensor):
+    if not isinstance(other, fx.Node) or not isinstance(fxgraph.example_value(other), torch.Tensor):
         return None
     return _MIN_MAX[name]
 
@@ -134,13 +136,13 @@ def as_min_max(node: fx.Node) -> Any:
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult()
     graph = gm.graph
-    changed = LK.expand_functions(gm, result)
+    changed = library_kernels.expand_functions(gm, result)
     written = _written_roots(graph)
     for node in list(graph.nodes):
         fn = as_min_max(node)
         if fn is not None:
             with graph.inserting_before(node):
-                new = graph.call_function(fn, (G.arg(node, 0), G.arg(node, 1, "other")))
+                new = graph.call_function(fn, (fxgraph.arg(node, 0), fxgraph.arg(node, 1, "other")))
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)

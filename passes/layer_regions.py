@@ -28,8 +28,8 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from tilecompile import graph as G
-from tilecompile import reporting as R
+from tilecompile import graph as fxgraph
+from tilecompile import reporting
 from tilecompile.pass_api import PassContext, PassResult, snapshot_graph
 
 NAME = "layer_regions"
@@ -86,7 +86,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         name = _share(gm, group, binders)
         detail = f"one of {len(group)} checkpointed layers that share one compiled region ({name})"
         for site, path in zip(group, paths):
-            result.rewrote(site, R.Rewrite(NAME, path, detail=detail))
+            result.rewrote(site, reporting.Rewrite(NAME, path, detail=detail))
     for ref in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:  # the shared sites' old bodies
         gm.graph.erase_node(ref)
     return result
@@ -98,7 +98,7 @@ def _candidate(site: fx.Node) -> str:
 
 def _skip(result: PassResult, gm: fx.GraphModule, sites: list[fx.Node], reason: str) -> None:
     for site in sites:
-        result.skip(site, R.Skip(NAME, _candidate(site), _where(gm, site), reason))
+        result.skip(site, reporting.Skip(NAME, _candidate(site), _where(gm, site), reason))
 
 
 def undo(gm: fx.GraphModule) -> bool:
@@ -114,7 +114,7 @@ def undo(gm: fx.GraphModule) -> bool:
 def _subclass_input(gm: fx.GraphModule) -> str:
     """The class name of a tensor-subclass input of ``gm`` (DTensor, a quantized weight), or ''."""
     for node in gm.graph.find_nodes(op="placeholder"):
-        value = G.example_value(node)
+        value = fxgraph.example_value(node)
         if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
             return type(value).__name__
     return ""
@@ -135,8 +135,10 @@ def _where(gm: fx.GraphModule, site: fx.Node) -> str:
     its body's nodes share, e.g. ``model.layers.3``."""
     body = getattr(gm, site.args[0].target, None) if site.args and isinstance(site.args[0], fx.Node) else None
     if not isinstance(body, fx.GraphModule):
-        return G.module_path(site)
-    return G.common_module_path(n for n in body.graph.nodes if n.op == "call_function") or G.module_path(site)
+        return fxgraph.module_path(site)
+    return fxgraph.common_module_path(n for n in body.graph.nodes if n.op == "call_function") or fxgraph.module_path(
+        site
+    )
 
 
 def _key(gm: fx.GraphModule, site: fx.Node) -> tuple[str, str]:
@@ -154,7 +156,7 @@ def _key(gm: fx.GraphModule, site: fx.Node) -> tuple[str, str]:
     for i, node in enumerate(body.graph.nodes):
         index[node] = i
         if node.op == "placeholder":
-            parts.append(("in", _describe(G.example_value(node))))
+            parts.append(("in", _describe(fxgraph.example_value(node))))
         elif node.op in ("get_attr", "call_module"):
             return "", f"its body reads a module attribute ({node.target}): not compared"
         elif _reads_value(node):
@@ -202,7 +204,7 @@ def _symbol_binders(gm: fx.GraphModule) -> dict[Any, fx.Node]:
     """symbol -> the placeholder of ``gm`` that is that symbol (a SymInt input whose expression is one symbol)."""
     binders: dict[Any, fx.Node] = {}
     for node in gm.graph.nodes:
-        value = G.example_value(node) if node.op == "placeholder" else None
+        value = fxgraph.example_value(node) if node.op == "placeholder" else None
         if isinstance(value, torch.SymInt) and value.node.expr.is_Symbol:
             binders.setdefault(value.node.expr, node)
     return binders
@@ -223,7 +225,7 @@ def _needed_symbols(group: list[fx.Node]) -> set:
     needed: set = set()
     for site in group:
         for operand in site.args[1:]:
-            needed |= _free_symbols(G.example_value(operand))
+            needed |= _free_symbols(fxgraph.example_value(operand))
     return needed
 
 
@@ -232,7 +234,7 @@ def _check_group(group: list[fx.Node], binders: dict[Any, fx.Node]) -> str:
         return "no other checkpointed region has the same body: nothing to share"
     for site in group:
         for operand in site.args[1:]:
-            value = G.example_value(operand)
+            value = fxgraph.example_value(operand)
             if not isinstance(value, torch.Tensor | torch.SymInt):
                 return f"operand {operand.name} is neither a tensor nor a symbolic size"
             if is_traceable_wrapper_subclass(value):
@@ -276,9 +278,9 @@ def _share(gm: fx.GraphModule, group: list[fx.Node], binders: dict[Any, fx.Node]
     graph = fx.Graph()
     inputs = [graph.placeholder(f"arg{i}") for i in range(len(used))]
     for i, sym in enumerate(symbols):  # unused by the body: they bind the symbols of the inputs' sizes
-        graph.placeholder(f"sym{i}").meta["example_value"] = G.example_value(sym)
+        graph.placeholder(f"sym{i}").meta["example_value"] = fxgraph.example_value(sym)
     for ph, i in zip(inputs, used):
-        ph.meta["example_value"] = G.example_value(first.args[1 + i])
+        ph.meta["example_value"] = fxgraph.example_value(first.args[1 + i])
     root = torch.nn.Module()
     root.body = body
     call = graph.call_function(_checkpoint_op(), (graph.get_attr("body"), *inputs), dict(first.kwargs))

@@ -46,10 +46,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import graph as G
-from tilecompile import parallel as P
-from tilecompile import reporting as R
-from tilecompile.ops import collectives as C
+from tilecompile import graph as fxgraph
+from tilecompile import parallel, reporting
+from tilecompile.ops import collectives
 from tilecompile.pass_api import VOCAB_GATHER, PassContext, PassResult
 
 NAME = "tensor_parallel"
@@ -109,7 +108,7 @@ class _Lowering:
     """Propagates placements through one graph and inserts the collectives."""
 
     def __init__(self, gm: fx.GraphModule, group: Group, inputs: dict[fx.Node, Any],
-                 specs: dict[fx.Node, P.ShardSpec], records: _Records) -> None:  # fmt: skip
+                 specs: dict[fx.Node, parallel.ShardSpec], records: _Records) -> None:  # fmt: skip
         self.gm, self.graph, self.group = gm, gm.graph, group
         self.place: dict[fx.Node, Any] = dict(inputs)  # node -> Shard | None | list of them (tuples)
         self.specs = dict(specs)  # sharded parameters (placeholders) and their views/casts -> spec
@@ -137,13 +136,13 @@ class _Lowering:
         return node
 
     def _fake(self, fn, x: fx.Node, args: tuple) -> Any:
-        value = G.example_value(x)
+        value = fxgraph.example_value(x)
         if not isinstance(value, torch.Tensor):
             return None
         shape = list(value.shape)
-        if fn in C.GATHERS or fn in C.SCATTERS:
+        if fn in collectives.GATHERS or fn in collectives.SCATTERS:
             d = args[0]
-            shape[d] = shape[d] * self.group.world if fn in C.GATHERS else shape[d] // self.group.world
+            shape[d] = shape[d] * self.group.world if fn in collectives.GATHERS else shape[d] // self.group.world
         mode = getattr(value, "fake_mode", None)
         if mode is None:
             return torch.empty(shape, dtype=value.dtype, device=value.device)
@@ -161,13 +160,14 @@ class _Lowering:
             return x
         if s.parts != 1:
             raise TensorParallelError(
-                f"{consumer.name} ({G.op(consumer) or consumer.op}) reads the packed sharded value {x.name}: gathering"
+                f"{consumer.name} ({fxgraph.op(consumer) or consumer.op}) reads the packed sharded value {x.name}: "
+                "gathering"
                 " it would interleave its parts; split it (chunk/split/slice) before using it whole"
             )
-        mutated = any(G.is_inplace(u) and u.args and u.args[0] is x for u in x.users)
+        mutated = any(fxgraph.is_inplace(u) and u.args and u.args[0] is x for u in x.users)
         if x in self.gathered and not mutated:
             return self.gathered[x]
-        node = self.insert(C.gather_from_tp, x, s.dim, *self.g(), before=consumer)
+        node = self.insert(collectives.gather_from_tp, x, s.dim, *self.g(), before=consumer)
         self.place[node] = None
         if not mutated:
             self.gathered[x] = node
@@ -178,7 +178,7 @@ class _Lowering:
         """``x`` broadcast into a sharded consumer: identity forward, gradient all-reduced (copy_to_tp)."""
         key = ("grad", x)
         if key not in self.copied:
-            node = self.insert(C.copy_to_tp, x, *self.g(), before=consumer)
+            node = self.insert(collectives.copy_to_tp, x, *self.g(), before=consumer)
             self.place[node] = None
             self.copied[key] = node
             reg = self.records._region(consumer, own=True)
@@ -201,7 +201,7 @@ class _Lowering:
             if node.op == "call_function" and node.target is _VOCAB_LINEAR:
                 self.vocab_linear(node, self.specs.get(self.param(node.args[1])))
                 continue
-            lin = G.as_linear(node)
+            lin = fxgraph.as_linear(node)
             if lin is not None and self.specs.get(self.param(lin.weight)) is not None:
                 self.records.linear(node, self.specs[self.param(lin.weight)])
                 self.linear(lin, self.specs[self.param(lin.weight)])
@@ -218,7 +218,7 @@ class _Lowering:
         return self.body_outputs
 
     def param(self, node: Any) -> fx.Node | None:
-        src = G.graph_input(node)
+        src = fxgraph.graph_input(node)
         return src if src is not None and src in self.specs else None
 
     def output(self, node: fx.Node) -> None:
@@ -231,13 +231,13 @@ class _Lowering:
                 self.replace_arg(node, o, self.to_replicate(o, node, "returned from the graph"))
 
     # --- linears
-    def colwise_input(self, node: fx.Node, x: fx.Node, spec: P.ShardSpec) -> fx.Node:
+    def colwise_input(self, node: fx.Node, x: fx.Node, spec: parallel.ShardSpec) -> fx.Node:
         """``x`` as a column-parallel linear reads it: replicated (copy_to_tp), or all-gathered from Shard(seq)."""
         s = self.place.get(x)
         if isinstance(s, Shard) and s.seq:
             new = self.copied.get(("seq", x))
             if new is None:
-                new = self.insert(C.gather_seq, x, s.dim, *self.g(), before=node, meta_from=node)
+                new = self.insert(collectives.gather_seq, x, s.dim, *self.g(), before=node, meta_from=node)
                 self.copied[("seq", x)] = new
                 self.records.add(node, "gather_seq", spec)
         else:
@@ -245,13 +245,13 @@ class _Lowering:
                 x = self.to_replicate(x, node, "a sharded value read by a column-parallel linear")
             new = self.copied.get(("rep", x))
             if new is None:
-                new = self.insert(C.copy_to_tp, x, *self.g(), before=node, meta_from=node)
+                new = self.insert(collectives.copy_to_tp, x, *self.g(), before=node, meta_from=node)
                 self.copied[("rep", x)] = new
                 self.records.add(node, "copy_to_tp", spec)
         self.place[new] = None
         return new
 
-    def vocab_linear(self, node: fx.Node, spec: P.ShardSpec | None) -> None:
+    def vocab_linear(self, node: fx.Node, spec: parallel.ShardSpec | None) -> None:
         """``vocab_parallel_linear(h, W_r, b_r)`` (a vocab_colwise lm_head's call) -> copy_to_tp, linear, gather."""
         h, weight, bias = node.args[:3]
         if spec is None:
@@ -261,11 +261,13 @@ class _Lowering:
         with self.graph.inserting_before(node):
             lin = self.graph.call_function(torch.nn.functional.linear, (x, weight, bias))
         lin.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
-        value = G.example_value(node)
+        value = fxgraph.example_value(node)
         with _fake_mode(value) or contextlib.nullcontext():
-            local = G.shape(weight)[0]
+            local = fxgraph.shape(weight)[0]
             lin.meta["example_value"] = torch.empty((*value.shape[:-1], local), dtype=value.dtype, device=value.device)
-        gathered = self.insert(C.gather_from_tp, lin, len(value.shape) - 1, *self.g(), after=lin, meta_from=node)
+        gathered = self.insert(
+            collectives.gather_from_tp, lin, len(value.shape) - 1, *self.g(), after=lin, meta_from=node
+        )
         gathered.meta[VOCAB_GATHER] = spec
         self.place[lin] = Shard(len(value.shape) - 1)
         self.place[gathered] = None
@@ -273,14 +275,16 @@ class _Lowering:
         node.replace_all_uses_with(gathered)
         self.graph.erase_node(node)
 
-    def linear(self, lin: G.Linear, spec: P.ShardSpec) -> None:
+    def linear(self, lin: fxgraph.Linear, spec: parallel.ShardSpec) -> None:
         node = lin.node
         if spec.dim == 0:  # colwise, packed_colwise, vocab_colwise: replicated input, sharded output features
             new = self.colwise_input(node, lin.input, spec)
             self.replace_arg(node, lin.input, new)
-            self.place[node] = Shard(len(G.shape(node)) - 1, parts=max(1, len(spec.parts)))
+            self.place[node] = Shard(len(fxgraph.shape(node)) - 1, parts=max(1, len(spec.parts)))
             if spec.style == "vocab_colwise":
-                gathered = self.insert(C.gather_from_tp, node, len(G.shape(node)) - 1, *self.g(), after=node)
+                gathered = self.insert(
+                    collectives.gather_from_tp, node, len(fxgraph.shape(node)) - 1, *self.g(), after=node
+                )
                 gathered.meta[VOCAB_GATHER] = spec
                 node.replace_all_uses_with(gathered, delete_user_cb=lambda u: u is not gathered)
                 self.place[gathered] = None
@@ -289,29 +293,29 @@ class _Lowering:
         # rowwise: input sharded on its last dim, output partial
         x = lin.input
         s = self.place.get(x)
-        last = len(G.shape(x)) - 1
+        last = len(fxgraph.shape(x)) - 1
         if s != Shard(last):
             x = self.to_replicate(x, node, "a row-parallel linear's input sharded another way")
-            x = self.insert(C.scatter_to_tp, x, last, *self.g(), before=node)
+            x = self.insert(collectives.scatter_to_tp, x, last, *self.g(), before=node)
             self.place[x] = Shard(last)
             self.replace_arg(node, lin.input, x)
             self.records.add(node, "scatter_input", spec)
         bias = lin.bias
         if bias is not None:  # added once, after the reduction
-            if G.op(node) != "linear":
-                raise TensorParallelError(f"{node.name}: a row-parallel linear with a bias spelled {G.op(node)}")
+            if fxgraph.op(node) != "linear":
+                raise TensorParallelError(f"{node.name}: a row-parallel linear with a bias spelled {fxgraph.op(node)}")
             node.args = (*node.args[:2], None, *node.args[3:]) if len(node.args) > 2 else node.args
             if "bias" in node.kwargs:
                 node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
-        out_nd = len(G.shape(node))
+        out_nd = len(fxgraph.shape(node))
         if self.sp:
             sd = _seq_dim(out_nd)
             self.check_seq(node, sd)
-            red = self.insert(C.reduce_scatter_seq, node, sd, *self.g(), after=node)
+            red = self.insert(collectives.reduce_scatter_seq, node, sd, *self.g(), after=node)
             self.place[red] = Shard(sd, seq=True)
             self.records.add(node, "reduce_scatter_seq", spec)
         else:
-            red = self.insert(C.reduce_from_tp, node, *self.g(), after=node)
+            red = self.insert(collectives.reduce_from_tp, node, *self.g(), after=node)
             self.place[red] = None
             self.records.add(node, "reduce_from_tp", spec)
         out = red
@@ -325,7 +329,7 @@ class _Lowering:
         self.place[node] = None  # only the reduction reads it
 
     def check_seq(self, node: fx.Node, dim: int) -> None:
-        size = (G.shape(node) or ())[dim] if G.shape(node) else None
+        size = (fxgraph.shape(node) or ())[dim] if fxgraph.shape(node) else None
         if not isinstance(size, int):
             raise TensorParallelError(
                 f"sequence parallel needs a static sequence length; {node.name} has size {size} on dim {dim} "
@@ -338,30 +342,30 @@ class _Lowering:
             )
 
     # --- vocab-parallel embedding (tied to a vocab_colwise lm_head)
-    def embedding(self, node: fx.Node, spec: P.ShardSpec) -> None:
+    def embedding(self, node: fx.Node, spec: parallel.ShardSpec) -> None:
         ids, weight = node.args[0], node.args[1]
         extra = [a for a in node.args[2:] if a not in (None, 2.0, False)]
         if extra or node.kwargs.get("padding_idx") is not None or node.kwargs.get("max_norm") is not None:
             raise TensorParallelError(f"{node.name}: a vocab-parallel embedding with padding_idx/max_norm/sparse")
-        local = G.shape(weight)[0]
+        local = fxgraph.shape(weight)[0]
         lo = self.group.rank * local
-        value = G.example_value(ids)
+        value = fxgraph.example_value(ids)
         mode = getattr(value, "fake_mode", None)
-        b = G.NodeBuilder(self.graph, node, mode)
+        b = fxgraph.NodeBuilder(self.graph, node, mode)
         shifted = b.call(operator.sub, ids, lo)
         inside = b.call(operator.and_, b.call(operator.ge, shifted, 0), b.call(operator.lt, shifted, local))
         safe = b.call(torch.where, inside, shifted, 0)
         looked = b.call(torch.nn.functional.embedding, safe, weight)
-        masked = b.call(operator.mul, looked, b.call("to", b.call(torch.unsqueeze, inside, -1), G.dtype(node),
+        masked = b.call(operator.mul, looked, b.call("to", b.call(torch.unsqueeze, inside, -1), fxgraph.dtype(node),
                                                          method=True))  # fmt: skip
         if self.sp:
-            sd = _seq_dim(len(G.shape(node)))
+            sd = _seq_dim(len(fxgraph.shape(node)))
             self.check_seq(node, sd)
-            red = self.insert(C.reduce_scatter_seq, masked, sd, *self.g(), before=node, meta_from=node)
+            red = self.insert(collectives.reduce_scatter_seq, masked, sd, *self.g(), before=node, meta_from=node)
             self.place[red] = Shard(sd, seq=True)
             self.records.add(node, "reduce_scatter_seq", spec, embedding=True)
         else:
-            red = self.insert(C.reduce_from_tp, masked, *self.g(), before=node, meta_from=node)
+            red = self.insert(collectives.reduce_from_tp, masked, *self.g(), before=node, meta_from=node)
             self.place[red] = None
             self.records.add(node, "reduce_from_tp", spec, embedding=True)
         for n in b.new:
@@ -372,12 +376,12 @@ class _Lowering:
     def scatter_embedding(self, node: fx.Node) -> None:
         """Sequence parallel: a replicated embedding's output enters the residual stream as this rank's slice of
         the sequence (its gradient is all-gathered back), so every block starts from Shard(seq)."""
-        sd = _seq_dim(len(G.shape(node)))
+        sd = _seq_dim(len(fxgraph.shape(node)))
         self.check_seq(node, sd)
-        sliced = self.insert(C.scatter_to_tp, node, sd, *self.g(), after=node)
+        sliced = self.insert(collectives.scatter_to_tp, node, sd, *self.g(), after=node)
         node.replace_all_uses_with(sliced, delete_user_cb=lambda u: u is not sliced)
         self.place[sliced] = Shard(sd, seq=True)
-        path = G.module_path(node)
+        path = fxgraph.module_path(node)
         self.records.regions.setdefault(path, {"linears": [], "fwd": [], "bwd": [], "shapes": {}})["bwd"].append(
             "all_gather(sequence scatter of the embedding)"
         )
@@ -420,13 +424,13 @@ class _Lowering:
         sub.root = self.root
         sub.sp = self.sp
         for h, a in zip(holders, args):
-            if isinstance(a, fx.Node) and _shapes(G.example_value(a)) != _shapes(G.example_value(h)):
-                h.meta["example_value"] = G.example_value(a)
+            if isinstance(a, fx.Node) and _shapes(fxgraph.example_value(a)) != _shapes(fxgraph.example_value(h)):
+                h.meta["example_value"] = fxgraph.example_value(a)
                 sub.dirty.add(h)
         outs = sub.run()
         sub.finish()
         (out_node,) = [n for n in body.graph.nodes if n.op == "output"]
-        values = tuple(G.example_value(o) if isinstance(o, fx.Node) else o for o in _flat(out_node.args[0]))
+        values = tuple(fxgraph.example_value(o) if isinstance(o, fx.Node) else o for o in _flat(out_node.args[0]))
         setattr(body, _DONE, (signature, outs, values))
         self.place[node], self.body_values[node] = outs, values
 
@@ -434,16 +438,16 @@ class _Lowering:
     def generic(self, node: fx.Node) -> None:
         ins = {a: self.place[a] for a in node.all_input_nodes if isinstance(self.place.get(a), Shard)}
         for a in _flat((node.args, node.kwargs)):
-            if isinstance(a, fx.Node) and isinstance(self.place.get(a), list) and G.op(node) != "getitem":
+            if isinstance(a, fx.Node) and isinstance(self.place.get(a), list) and fxgraph.op(node) != "getitem":
                 raise TensorParallelError(f"{node.name} reads the tuple {a.name} whole")
-        if G.op(node) == "getitem" and isinstance(self.place.get(node.args[0]), list):
+        if fxgraph.op(node) == "getitem" and isinstance(self.place.get(node.args[0]), list):
             items = self.place[node.args[0]]
             self.place[node] = items[node.args[1]] if isinstance(node.args[1], int) else None
             return
         if not ins:
             self.place[node] = None
             return
-        value = G.example_value(node)
+        value = fxgraph.example_value(node)
         if not isinstance(value, torch.Tensor | tuple | list):  # sizes, dtypes, devices
             if self.sp and any(s.seq for s in ins.values()):
                 raise TensorParallelError(f"{node.name} reads a size of a sequence-sharded value (dynamic shapes?)")
@@ -455,7 +459,7 @@ class _Lowering:
             for a in ins:
                 self.replace_arg(node, a, self.to_replicate(a, node, str(why)))
             out = None
-        if G.is_inplace(node) and node.args and isinstance(node.args[0], fx.Node):
+        if fxgraph.is_inplace(node) and node.args and isinstance(node.args[0], fx.Node):
             if out != self.place.get(node.args[0]):
                 raise TensorParallelError(f"in-place {node.name} would change the placement of {node.args[0].name}")
         self.place[node] = out
@@ -470,16 +474,16 @@ class _Lowering:
             if node in self.fresh:
                 continue
             self.fresh.add(node)
-            if node.op == "call_function" and node.target in C.ALL:
+            if node.op == "call_function" and node.target in collectives.ALL:
                 node.meta["example_value"] = self._fake(node.target, node.args[0], node.args[1:])
-                if node.target not in C.IDENTITIES:
+                if node.target not in collectives.IDENTITIES:
                     self.dirty.add(node)
                 continue
             if node.op not in ("call_function", "call_method") or not any(
                 a in self.dirty for a in node.all_input_nodes
             ):
                 continue
-            old = G.example_value(node)
+            old = fxgraph.example_value(node)
             if isinstance(node.target, torch._ops.HigherOrderOperator):
                 new = self.body_values.get(node)
                 if new is None:
@@ -491,7 +495,7 @@ class _Lowering:
                 self.dirty.add(node)
 
     def _run_fake(self, node: fx.Node, old: Any) -> Any:
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), G.example_value)
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), fxgraph.example_value)
         mode = _fake_mode(old) or _fake_mode(args) or contextlib.nullcontext()
         try:
             with mode:
@@ -529,12 +533,12 @@ def _flat(tree: Any) -> list[Any]:
 
 def _rule(node: fx.Node, ins: dict[fx.Node, Shard], low: _Lowering) -> Any:
     """The placement of ``node``'s output from its sharded inputs ``ins``; raises _Fallback when unknown."""
-    name = G.op(node)
+    name = fxgraph.op(node)
     if node.op == "call_function" and node.target in _SDPA:
         return _sdpa(node, ins)
     if name in _ELEMENTWISE:
         return _elementwise(node, name, ins, low)
-    x = G.arg(node, 0, "input")
+    x = fxgraph.arg(node, 0, "input")
     s = ins.get(x) if isinstance(x, fx.Node) else None
     if s is None or len(ins) != 1:
         if name in ("cat", "concat", "stack"):
@@ -542,21 +546,23 @@ def _rule(node: fx.Node, ins: dict[fx.Node, Shard], low: _Lowering) -> Any:
         if name == "matmul":
             return _matmul(node, ins)
         raise _Fallback(f"{name or node.target} of several sharded values")
-    xs, ys = G.shape(x), G.shape(node)
+    xs, ys = fxgraph.shape(x), fxgraph.shape(node)
     nd = len(xs)
     if name in ("view", "reshape", "flatten", "unflatten"):
         return _reshape(s, xs, ys, _view_args(node) if name in ("view", "reshape") else None)
     if name in ("transpose", "swapaxes"):
-        d0, d1 = (G.normalize_dim(G.arg(node, i), nd) for i in (1, 2))
+        d0, d1 = (fxgraph.normalize_dim(fxgraph.arg(node, i), nd) for i in (1, 2))
         return s.moved(d1 if s.dim == d0 else d0 if s.dim == d1 else s.dim)
     if name == "t":
         return s.moved(1 - s.dim) if nd == 2 else s
     if name == "permute":
-        dims = node.args[1:] if len(node.args) > 2 or not isinstance(G.arg(node, 1), list | tuple) else node.args[1]
-        dims = [G.normalize_dim(d, nd) for d in dims]
+        dims = (
+            node.args[1:] if len(node.args) > 2 or not isinstance(fxgraph.arg(node, 1), list | tuple) else node.args[1]
+        )
+        dims = [fxgraph.normalize_dim(d, nd) for d in dims]
         return s.moved(dims.index(s.dim))
     if name == "unsqueeze":
-        d = G.normalize_dim(G.arg(node, 1, "dim"), nd + 1)
+        d = fxgraph.normalize_dim(fxgraph.arg(node, 1, "dim"), nd + 1)
         return s.moved(s.dim + 1 if d <= s.dim else s.dim)
     if name == "squeeze":
         return _reshape(s, xs, ys, None)
@@ -567,11 +573,11 @@ def _rule(node: fx.Node, ins: dict[fx.Node, Shard], low: _Lowering) -> Any:
     if name in ("chunk", "split", "unbind", "split_with_sizes", "tensor_split"):
         return _split(node, name, s, xs)
     if name == "narrow":
-        if G.normalize_dim(G.arg(node, 1, "dim"), nd) == s.dim:
+        if fxgraph.normalize_dim(fxgraph.arg(node, 1, "dim"), nd) == s.dim:
             raise _Fallback("narrow along the sharded dim")
         return s
     if name in _KEEP_SHAPE_REDUCTIONS:
-        if G.normalize_dim(G.arg(node, 1, "dim"), nd) == s.dim:
+        if fxgraph.normalize_dim(fxgraph.arg(node, 1, "dim"), nd) == s.dim:
             raise _Fallback(f"{name} along the sharded dim")
         return s
     if name in _REDUCTIONS or name in ("max", "min", "argmax", "argmin"):
@@ -580,29 +586,29 @@ def _rule(node: fx.Node, ins: dict[fx.Node, Shard], low: _Lowering) -> Any:
 
 
 def _elementwise(node: fx.Node, name: str, ins: dict[fx.Node, Shard], low: _Lowering) -> Shard:
-    out_nd = len(G.shape(node) or ())
+    out_nd = len(fxgraph.shape(node) or ())
     operands = [node.args[0]] if name in _CASTS else [a for a in _flat((node.args, node.kwargs))]
-    operands = [a for a in operands if isinstance(a, fx.Node) and isinstance(G.example_value(a), torch.Tensor)]
+    operands = [a for a in operands if isinstance(a, fx.Node) and isinstance(fxgraph.example_value(a), torch.Tensor)]
     placed = {a: ins[a] for a in operands if a in ins}
     if not placed:
         return None
-    aligned = {s.moved(s.dim + out_nd - len(G.shape(a))) for a, s in placed.items()}
+    aligned = {s.moved(s.dim + out_nd - len(fxgraph.shape(a))) for a, s in placed.items()}
     if len(aligned) != 1:
         raise _Fallback(f"{name} of values sharded differently")
     (out,) = aligned
     for a in operands:
         if a in placed:
             continue
-        shape = G.shape(a)
+        shape = fxgraph.shape(a)
         d = out.dim - (out_nd - len(shape))
-        if d < 0 or G.hint(shape[d]) == 1:  # broadcast along the sharded dim
-            if G.example_value(a).requires_grad:
+        if d < 0 or fxgraph.hint(shape[d]) == 1:  # broadcast along the sharded dim
+            if fxgraph.example_value(a).requires_grad:
                 # its gradient sums over the sharded dim, of which this rank holds a part: an RMSNorm weight over
                 # the sequence-sharded residual stream (SP), Qwen3's q_norm / k_norm weights over sharded heads
                 node.replace_input_with(a, low.sum_grad(a, node))
             continue
         if out.seq:  # SP: a replicated operand (the residual stream before the first layer) is sliced
-            sliced = low.insert(C.scatter_to_tp, a, d, *low.g(), before=node)
+            sliced = low.insert(collectives.scatter_to_tp, a, d, *low.g(), before=node)
             low.place[sliced] = Shard(d, seq=True)
             node.replace_input_with(a, sliced)
             low.records.scatter(node, a)
@@ -622,7 +628,7 @@ def _reshape(s: Shard, xs: tuple, ys: tuple, sizes: list | None) -> Shard:
     """A reshape keeps a shard when the dims before it hold the same number of elements on both sides; the
     sharded dim lands on the output dim spelled -1 (``view(*input_shape, -1, head_dim)``), else on the first
     such dim that is not a lone 1."""
-    xs, ys = [G.hint(i) for i in xs], [G.hint(i) for i in ys]
+    xs, ys = [fxgraph.hint(i) for i in xs], [fxgraph.hint(i) for i in ys]
     if None in xs or None in ys:
         raise _Fallback("reshape with unknown sizes")
     before = math.prod(xs[: s.dim])
@@ -670,12 +676,12 @@ def _index(node: fx.Node, s: Shard, xs: tuple) -> Shard:
 def _whole(i: Any, size: Any) -> bool:
     if not isinstance(i, slice) or i.step not in (None, 1) or i.start not in (None, 0):
         return False
-    return i.stop is None or i.stop >= G.hint(size)
+    return i.stop is None or i.stop >= fxgraph.hint(size)
 
 
 def _part_slice(s: Shard, i: Any, size: Any, out: int) -> Shard:
     """A slice of a packed value that is exactly one of its local parts."""
-    size = G.hint(size)
+    size = fxgraph.hint(size)
     if s.parts > 1 and isinstance(i, slice) and i.step in (None, 1) and size % s.parts == 0:
         part = size // s.parts
         start = 0 if i.start is None else (i.start + size if i.start < 0 else i.start)
@@ -686,29 +692,33 @@ def _part_slice(s: Shard, i: Any, size: Any, out: int) -> Shard:
 
 
 def _split(node: fx.Node, name: str, s: Shard, xs: tuple) -> list:
-    value = G.example_value(node)
+    value = fxgraph.example_value(node)
     n = len(value) if isinstance(value, tuple | list) else 0
-    dim = G.arg(node, 2, "dim", 0)
-    dim = G.normalize_dim(dim, len(xs)) if name != "unbind" else G.normalize_dim(G.arg(node, 1, "dim", 0), len(xs))
+    dim = fxgraph.arg(node, 2, "dim", 0)
+    dim = (
+        fxgraph.normalize_dim(dim, len(xs))
+        if name != "unbind"
+        else fxgraph.normalize_dim(fxgraph.arg(node, 1, "dim", 0), len(xs))
+    )
     if dim != s.dim:
         moved = s.moved(s.dim - 1 if name == "unbind" and dim < s.dim else s.dim)
         return [moved] * n
     if name == "unbind" or s.parts <= 1 or n != s.parts:
         raise _Fallback(f"{name} along the sharded dim")
-    sizes = {G.hint(v.shape[dim]) for v in value}
+    sizes = {fxgraph.hint(v.shape[dim]) for v in value}
     if len(sizes) != 1:
         raise _Fallback(f"{name} of a packed value into unequal parts")
     return [Shard(s.dim, s.seq, 1)] * n
 
 
 def _reduce(node: fx.Node, name: str, s: Shard, xs: tuple, ys: tuple) -> Shard:
-    dim = G.arg(node, 1, "dim")
+    dim = fxgraph.arg(node, 1, "dim")
     if dim is None:
         raise _Fallback(f"{name} over all dims")
-    dims = {G.normalize_dim(d, len(xs)) for d in (dim if isinstance(dim, list | tuple) else [dim])}
+    dims = {fxgraph.normalize_dim(d, len(xs)) for d in (dim if isinstance(dim, list | tuple) else [dim])}
     if s.dim in dims:
         raise _Fallback(f"{name} over the sharded dim")
-    if name in ("max", "min") and isinstance(G.example_value(node), tuple):
+    if name in ("max", "min") and isinstance(fxgraph.example_value(node), tuple):
         raise _Fallback(f"{name} with indices")
     if len(ys) == len(xs):
         return s
@@ -716,30 +726,30 @@ def _reduce(node: fx.Node, name: str, s: Shard, xs: tuple, ys: tuple) -> Shard:
 
 
 def _sdpa(node: fx.Node, ins: dict[fx.Node, Shard]) -> Shard:
-    q, k, v = (G.arg(node, i, n) for i, n in enumerate(("query", "key", "value")))
-    nd = len(G.shape(q))
+    q, k, v = (fxgraph.arg(node, i, n) for i, n in enumerate(("query", "key", "value")))
+    nd = len(fxgraph.shape(q))
     want = Shard(nd - 3)
     if nd < 3 or any(ins.get(t) != want for t in (q, k, v)):
         raise _Fallback("attention whose q, k, v are not all sharded by heads")
-    mask = G.arg(node, 3, "attn_mask")
+    mask = fxgraph.arg(node, 3, "attn_mask")
     if isinstance(mask, fx.Node):
-        ms = G.shape(mask)
+        ms = fxgraph.shape(mask)
         d = want.dim - (nd - len(ms))
-        if ins.get(mask) is None and d >= 0 and G.hint(ms[d]) != 1:
+        if ins.get(mask) is None and d >= 0 and fxgraph.hint(ms[d]) != 1:
             raise _Fallback("an attention mask with a heads dim")
     return want
 
 
 def _cat(node: fx.Node, name: str, ins: dict[fx.Node, Shard]) -> Shard:
-    items = G.arg(node, 0, "tensors")
+    items = fxgraph.arg(node, 0, "tensors")
     if not isinstance(items, list | tuple) or any(ins.get(t) is None for t in items):
         raise _Fallback(f"{name} of sharded and replicated values")
     places = {ins[t] for t in items}
     if len(places) != 1:
         raise _Fallback(f"{name} of values sharded differently")
     (s,) = places
-    nd = len(G.shape(items[0]))
-    dim = G.normalize_dim(G.arg(node, 1, "dim", 0), nd + (name == "stack"))
+    nd = len(fxgraph.shape(items[0]))
+    dim = fxgraph.normalize_dim(fxgraph.arg(node, 1, "dim", 0), nd + (name == "stack"))
     if name == "stack":
         return s.moved(s.dim + 1 if dim <= s.dim else s.dim)
     if dim == s.dim:
@@ -748,9 +758,9 @@ def _cat(node: fx.Node, name: str, ins: dict[fx.Node, Shard]) -> Shard:
 
 
 def _matmul(node: fx.Node, ins: dict[fx.Node, Shard]) -> Shard:
-    a, b = G.arg(node, 0), G.arg(node, 1)
+    a, b = fxgraph.arg(node, 0), fxgraph.arg(node, 1)
     sa, sb = ins.get(a), ins.get(b)
-    na, nb = len(G.shape(a)), len(G.shape(b))
+    na, nb = len(fxgraph.shape(a)), len(fxgraph.shape(b))
     if sa is not None and sb is not None and na == nb and sa == sb and not sa.seq and sa.dim < na - 2:
         return sa
     raise _Fallback("matmul of sharded operands")
@@ -768,11 +778,11 @@ class _Records:
     def _region(self, node: fx.Node, own: bool = False) -> dict[str, Any]:
         """The block holding ``node``'s module (an MLP, an attention), or with ``own`` the module itself (an
         lm_head, an embedding: a region of one module)."""
-        path = G.module_path(node)
+        path = fxgraph.module_path(node)
         parent = path.rsplit(".", 1)[0] if "." in path and not own else path
         return self.regions.setdefault(parent, {"linears": [], "fwd": [], "bwd": [], "shapes": {}})
 
-    def linear(self, node: fx.Node, spec: P.ShardSpec, embedding: bool = False) -> None:
+    def linear(self, node: fx.Node, spec: parallel.ShardSpec, embedding: bool = False) -> None:
         reg = self._region(node, own=embedding or spec.style == "vocab_colwise")
         leaf = _leaf(spec, node if embedding else None)
         entry = f"{leaf}:{'vocab_embedding' if embedding else spec.style}"
@@ -780,15 +790,16 @@ class _Records:
             reg["linears"].append(entry)
             reg["shapes"][leaf] = spec.global_shape
 
-    def add(self, node: fx.Node, what: str, spec: P.ShardSpec, embedding: bool = False) -> None:
+    def add(self, node: fx.Node, what: str, spec: parallel.ShardSpec, embedding: bool = False) -> None:
         reg = self._region(node, own=embedding or spec.style == "vocab_colwise")
         leaf = _leaf(spec, node if embedding else None)
         if embedding:
             self.linear(node, spec, embedding=True)
-        fn = {"copy_to_tp": C.copy_to_tp, "gather_seq": C.gather_seq, "gather_logits": C.gather_from_tp,
-              "reduce_scatter_seq": C.reduce_scatter_seq, "reduce_from_tp": C.reduce_from_tp,
-              "scatter_input": C.scatter_to_tp}[what]  # fmt: skip
-        fwd, bwd = C.COLLECTIVES[fn]
+        fn = {"copy_to_tp": collectives.copy_to_tp, "gather_seq": collectives.gather_seq,
+              "gather_logits": collectives.gather_from_tp, "reduce_scatter_seq": collectives.reduce_scatter_seq,
+              "reduce_from_tp": collectives.reduce_from_tp,
+              "scatter_input": collectives.scatter_to_tp}[what]  # fmt: skip
+        fwd, bwd = collectives.COLLECTIVES[fn]
         if what == "gather_logits":
             fwd = f"{fwd}({leaf} logits; fused_linear_ce replaces it by all_reduce max + sum when it fuses the loss)"
             reg["fwd"].append(fwd)
@@ -805,21 +816,21 @@ class _Records:
         reg = self._region(node)
         reg["bwd"].append(f"all_gather(slice of {x.name})")
 
-    def rewrites(self, group: Group) -> list[R.Rewrite]:
+    def rewrites(self, group: Group) -> list[reporting.Rewrite]:
         out = []
         for path, reg in self.regions.items():
             detail = (
                 f"tp={group.world} {', '.join(reg['linears']) or 'no sharded linears'}; "
                 f"forward: {', '.join(reg['fwd']) or 'none'}; backward: {', '.join(reg['bwd']) or 'none'}"
             )
-            out.append(R.Rewrite(NAME, path, dict(reg["shapes"]), {}, detail))
+            out.append(reporting.Rewrite(NAME, path, dict(reg["shapes"]), {}, detail))
         return out
 
 
-def _leaf(spec: P.ShardSpec, node: fx.Node | None = None) -> str:
+def _leaf(spec: parallel.ShardSpec, node: fx.Node | None = None) -> str:
     """The sharded module's own name (``q_proj``); for a tied embedding, the embedding's (``embed_tokens``)."""
-    if node is not None and G.module_path(node):
-        return G.module_path(node).rsplit(".", 1)[-1]
+    if node is not None and fxgraph.module_path(node):
+        return fxgraph.module_path(node).rsplit(".", 1)[-1]
     parts = spec.fqn.split(".")
     return parts[-2] if len(parts) >= 2 else spec.fqn
 
@@ -827,14 +838,14 @@ def _leaf(spec: P.ShardSpec, node: fx.Node | None = None) -> str:
 # --------------------------------------------------------------------------------------------------- run
 
 
-def sharded_inputs(gm: fx.GraphModule) -> dict[fx.Node, P.ShardSpec]:
+def sharded_inputs(gm: fx.GraphModule) -> dict[fx.Node, parallel.ShardSpec]:
     """Placeholders of ``gm`` that are parameters sharded by ``tilecompile.parallelize``, with their specs."""
     out = {}
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
         arg = node.meta.get("grapharg")
-        spec = P.spec_of(getattr(arg, "example", None)) if arg is not None else None
+        spec = parallel.spec_of(getattr(arg, "example", None)) if arg is not None else None
         if spec is not None:
             out[node] = spec
     return out
@@ -854,7 +865,7 @@ def graph_params(gm: fx.GraphModule) -> list[torch.Tensor]:
 def check_intact(gm: fx.GraphModule) -> None:
     """A graph over a parallelized model whose parameters lost their shard records (FSDP2 applied after
     ``parallelize``) would run on shards without collectives: refuse it before it runs."""
-    why = P.check_shards_intact(graph_params(gm))
+    why = parallel.check_shards_intact(graph_params(gm))
     if why is not None:
         raise TensorParallelError(why)
 
@@ -883,11 +894,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     groups = {(s.group, s.world, s.rank) for s in specs.values()}
     if len(groups) != 1:
         raise TensorParallelError(f"parameters sharded over {len(groups)} different groups in one graph")
-    if any(C.ALL.__contains__(n.target) for n in gm.graph.nodes if n.op == "call_function"):
+    if any(collectives.ALL.__contains__(n.target) for n in gm.graph.nodes if n.op == "call_function"):
         return result  # already lowered: running twice is harmless
     group = Group(*groups.pop())
     records = _Records()
-    placements = {n: _param_placement(s, len(G.shape(n) or ())) for n, s in specs.items()}
+    placements = {n: _param_placement(s, len(fxgraph.shape(n) or ())) for n, s in specs.items()}
     low = _Lowering(gm, group, placements, specs, records)
     try:
         low.run()
@@ -900,7 +911,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return result
 
 
-def _param_placement(spec: P.ShardSpec, ndim: int) -> Shard | None:
+def _param_placement(spec: parallel.ShardSpec, ndim: int) -> Shard | None:
     if spec.dim is None:
         return None
     return Shard(spec.dim if ndim == 2 else 0, parts=max(1, len(spec.parts)))

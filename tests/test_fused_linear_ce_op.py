@@ -320,7 +320,9 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     lp_r, ent_r = K.reference_logprob_entropy(hr, wr, y, 0.7)
     (lp_r * glp.double() + ent_r * gent.double()).sum().backward()
     lp, ent, stats, _ = K.fused_linear_logprob_fwd(h.float(), w.float(), y, 1 / 0.7, -100, True, use_triton=True)
-    dh, dw, _ = K.fused_linear_logprob_bwd(h.float(), w.float(), y, stats, ent, glp, gent, 1 / 0.7, -100, use_triton=True)
+    dh, dw, _ = K.fused_linear_logprob_bwd(
+        h.float(), w.float(), y, stats, ent, glp, gent, 1 / 0.7, -100, use_triton=True
+    )
     for a, b in ((lp, lp_r), (ent, ent_r), (dh, hr.grad), (dw, wr.grad)):
         torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-5)
     # The forward epilogue's multi-tile path (chunks wider than one tile), forced with a tiny tile cap: the state

@@ -28,8 +28,8 @@ from tilecompile import (
     hf_grouped_mm,
     hub_kernels,
     releases,
+    reporting,
 )
-from tilecompile import reporting as R
 from tilecompile.passes import layer_regions
 from tilecompile.pipeline import run_passes
 
@@ -76,12 +76,12 @@ def compile_graph(
     # under dynamic shapes) and call this backend again for the same code: only the last call is reported. A compile
     # that raises otherwise (Dynamo then retries the frame split at a break, or raises) counts no rewrite either.
     graph_name = "graph ?"
-    with R.discarded_on_error(lambda: graph_name, quiet=(torch._dynamo.exc.RestartAnalysis,)):
-        R.count_graph()
-        graph_name = f"graph {R.report().graphs}"
+    with reporting.discarded_on_error(lambda: graph_name, quiet=(torch._dynamo.exc.RestartAnalysis,)):
+        reporting.count_graph()
+        graph_name = f"graph {reporting.report().graphs}"
         try:
             dynamo_floats.specialize_floats(gm, settings)
-            with R.graph_scope(graph_name):
+            with reporting.graph_scope(graph_name):
                 gm = run_passes(gm, settings, graph_name)
                 _note_graph_breaks(gm, settings)
             compiled = _compile(
@@ -89,7 +89,7 @@ def compile_graph(
             )
         finally:
             dynamo_floats.forget_specialized_floats()
-        return R.serving(graph_name, gm, compiled)  # the report counts the modules this graph serves
+        return reporting.serving(graph_name, gm, compiled)  # the report counts the modules this graph serves
 
 
 def _note_graph_breaks(gm: fx.GraphModule, settings: config.Settings) -> None:
@@ -100,7 +100,7 @@ def _note_graph_breaks(gm: fx.GraphModule, settings: config.Settings) -> None:
     except Exception as exc:  # noqa: BLE001 - a diagnostic must not stop the compile
         log.warning("could not look for graph breaks in the rewritten graph: %s: %s", type(exc).__name__, exc)
         return
-    R.record(skipped=notes)
+    reporting.record(skipped=notes)
 
 
 def _configure_logging(level: str) -> None:
@@ -203,7 +203,7 @@ def _compile(
         return lower(gm, example_inputs, settings.inner, mode, options)
     if conflict := region_conflict(settings, options):
         layer_regions.undo(gm)
-        R.decline(layer_regions.NAME, graph_name, "checkpointed layer", conflict)
+        reporting.decline(layer_regions.NAME, graph_name, "checkpointed layer", conflict)
         return lower(gm, example_inputs, settings.inner, mode, options)
     try:
         with _backward_lowered_at_once():
@@ -217,7 +217,7 @@ def _compile(
         compiled = lower(gm, example_inputs, settings.inner, mode, options)  # raises on its own error
         text = str(exc).strip()
         reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-        R.withdraw(layer_regions.NAME, graph_name, reason)
+        reporting.withdraw(layer_regions.NAME, graph_name, reason)
         warnings.warn(
             f"tilecompile: {settings.inner} could not compile the shared layer regions of {graph_name} ({reason}); "
             "the layers were compiled one by one instead. TILECOMPILE_LAYER_REGIONS=0 skips the attempt.",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tilecompile import reporting as R
+from tilecompile import reporting
 
 _LOGGER = "torch._dynamo.convert_frame"
 _PREFIX = "torch._dynamo hit config."
@@ -48,8 +48,10 @@ class _Handler(logging.Handler):
         with _lock:
             if str(function) not in _ours:
                 return
-        R.eager_frame(
-            R.EagerFrame(str(function), f"{limit_type}={limit}", " ".join(str(last_reason).split("\n")[0].split()))
+        reporting.eager_frame(
+            reporting.EagerFrame(
+                str(function), f"{limit_type}={limit}", " ".join(str(last_reason).split("\n")[0].split())
+            )
         )
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from tilecompile import graph as G
-from tilecompile import reporting as R
+from tilecompile import graph as fxgraph
+from tilecompile import reporting
 
 _HEAD_NAMES = ("lm_head", "output", "embed_out")
 _THROUGH = frozenset({"getitem", "div", "mul", "float", "to", "contiguous", "view", "reshape", "flatten"})
@@ -62,7 +62,7 @@ def _fix_head() -> str:
     """What to do about the lm_head's logits leaving its graph, from what Dynamo recorded since
     ``tilecompile.reset()``: no break at all (the user compiled the model without its loss), a break this project
     knows (HF's input-grad hook, FSDP2's disabled hooks), or another break, named."""
-    new = R.new_breaks()
+    new = reporting.new_breaks()
     if not new:
         return _FIX_NO_LOSS
     if any(_REQUIRES_GRAD_BREAK in reason for reason in new):
@@ -80,7 +80,7 @@ def _returned_unbroken(gm: fx.GraphModule) -> bool:
     """The graph ends where its function returns, and Dynamo broke no graph since ``tilecompile.reset()``: the
     function torch.compile was given returns this graph's outputs."""
     reason = getattr(getattr(gm, "compile_subgraph_reason", None), "reason", None)
-    return str(reason).startswith("return_value") and not R.new_breaks()
+    return str(reason).startswith("return_value") and not reporting.new_breaks()
 
 
 def _break_reason(gm: fx.GraphModule) -> str:
@@ -99,7 +99,7 @@ def _break_reason(gm: fx.GraphModule) -> str:
 
 def _source(node: fx.Node, limit: int = 8) -> fx.Node:
     """Back through slices, casts, views and scalings to what made ``node``."""
-    while limit and node.op in ("call_function", "call_method") and G.op(node) in _THROUGH:
+    while limit and node.op in ("call_function", "call_method") and fxgraph.op(node) in _THROUGH:
         args = [a for a in node.args if isinstance(a, fx.Node)]
         if len(args) != 1:
             break
@@ -114,33 +114,33 @@ def _reaches_softmax(node: fx.Node) -> bool:
         n = todo.pop()
         for user in n.users:
             if user not in seen:
-                if G.op(user) in _SOFTMAX:
+                if fxgraph.op(user) in _SOFTMAX:
                     return True
                 seen.add(user)
                 todo.append(user)
     return False
 
 
-def _is_head(linear: G.Linear) -> bool:
-    if G.module_path(linear.node).rsplit(".", 1)[-1] in _HEAD_NAMES:
+def _is_head(linear: fxgraph.Linear) -> bool:
+    if fxgraph.module_path(linear.node).rsplit(".", 1)[-1] in _HEAD_NAMES:
         return True
-    w = G.shape(linear.weight)
-    out_f, in_f = (G.hint(w[0]), G.hint(w[1])) if w and len(w) == 2 else (None, None)
+    w = fxgraph.shape(linear.weight)
+    out_f, in_f = (fxgraph.hint(w[0]), fxgraph.hint(w[1])) if w and len(w) == 2 else (None, None)
     return bool(out_f and in_f and out_f >= 8 * in_f)
 
 
-def notes(gm: fx.GraphModule) -> list[R.Skip]:
-    out: list[R.Skip] = []
+def notes(gm: fx.GraphModule) -> list[reporting.Skip]:
+    out: list[reporting.Skip] = []
     output = next((n for n in gm.graph.nodes if n.op == "output"), None)
     returned = [a for a in torch.utils._pytree.tree_leaves(output.args) if isinstance(a, fx.Node)] if output else []
     seen: set[fx.Node] = set()
     for node in returned:
         src = _source(node)
-        linear = G.as_linear(src) if src.op != "placeholder" else None
+        linear = fxgraph.as_linear(src) if src.op != "placeholder" else None
         if linear is None or src in seen or not _is_head(linear) or _reaches_softmax(src):
             continue
         seen.add(src)
-        logits = f"the logits {list(G.shape(src) or ())}"
+        logits = f"the logits {list(fxgraph.shape(src) or ())}"
         if _returned_unbroken(gm):
             reason = (
                 f"{logits} are what the compiled function returns: the loss that reads them runs outside the "
@@ -151,29 +151,29 @@ def notes(gm: fx.GraphModule) -> list[R.Skip]:
                 f"{logits} leave this graph as an output{_break_reason(gm)}: the log-softmax / loss that reads "
                 f"them is in another graph, so they are built whole; {_fix_head()}"
             )
-        out.append(R.Skip("fused_linear_ce", "lm_head", G.module_path(src), reason))  # fmt: skip
+        out.append(reporting.Skip("fused_linear_ce", "lm_head", fxgraph.module_path(src), reason))  # fmt: skip
     for node in gm.graph.nodes:
-        if G.op(node) in _SOFTMAX and node.args:
-            src = G.graph_input(_source(node.args[0])) if isinstance(node.args[0], fx.Node) else None
+        if fxgraph.op(node) in _SOFTMAX and node.args:
+            src = fxgraph.graph_input(_source(node.args[0])) if isinstance(node.args[0], fx.Node) else None
             if src is None or src.op != "placeholder" or src in seen:
                 continue
             value = getattr(src.meta.get("grapharg"), "example", None)
-            if isinstance(value, torch.nn.Parameter) or len(G.shape(src) or ()) < 2:
+            if isinstance(value, torch.nn.Parameter) or len(fxgraph.shape(src) or ()) < 2:
                 continue
             seen.add(src)
-            out.append(R.Skip(
-                "fused_linear_ce", f"{G.op(node)} of an input", G.module_path(node),
-                f"its logits {list(G.shape(src))} are an input of this graph (made by an lm_head in an earlier "
+            out.append(reporting.Skip(
+                "fused_linear_ce", f"{fxgraph.op(node)} of an input", fxgraph.module_path(node),
+                f"its logits {list(fxgraph.shape(src))} are an input of this graph (made by an lm_head in an earlier "
                 f"graph, before a graph break), so no lm_head is here to fuse; {_fix_head()}",
             ))  # fmt: skip
         elif node.op == "call_function" and node.target in _SDPA:
-            mask = G.arg(node, 3, "attn_mask")
-            src = G.graph_input(mask) if isinstance(mask, fx.Node) else None
+            mask = fxgraph.arg(node, 3, "attn_mask")
+            src = fxgraph.graph_input(mask) if isinstance(mask, fx.Node) else None
             if src is None or src.op != "placeholder":
                 continue
-            out.append(R.Skip(
-                "attention", "sdpa", G.module_path(node),
-                f"its attn_mask {list(G.shape(src) or ())} is an input of this graph (built in an earlier graph, "
+            out.append(reporting.Skip(
+                "attention", "sdpa", fxgraph.module_path(node),
+                f"its attn_mask {list(fxgraph.shape(src) or ())} is an input of this graph (built in an earlier graph, "
                 "before a graph break), so its construction cannot be read and the attention stays dense; let the "
                 "graph that attends build the mask (compile the step whole, or per block with the mask built "
                 "inside the block)",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from tilecompile import reporting as R
+from tilecompile import reporting
 from tilecompile.config import Settings
 
 EXPECTED = "tilecompile_expected"  # node.meta key: what a newly inserted node must produce (``expect``)
@@ -31,8 +31,8 @@ class PassContext:
 
 @dataclasses.dataclass
 class PassResult:
-    rewrites: list[R.Rewrite] = dataclasses.field(default_factory=list)
-    skipped: list[R.Skip] = dataclasses.field(default_factory=list)
+    rewrites: list[reporting.Rewrite] = dataclasses.field(default_factory=list)
+    skipped: list[reporting.Skip] = dataclasses.field(default_factory=list)
     # the candidates a pass looked at (``consider``) and those it decided, by a rewrite or a skip with its reason:
     # the pipeline checks that none was dropped without a reason (strict: PassFailed)
     looked_at: dict[Any, str] = dataclasses.field(default_factory=dict)
@@ -42,11 +42,11 @@ class PassResult:
         """``key`` (e.g. the candidate's anchor node) must end in ``rewrote`` or ``skip`` before the pass returns."""
         self.looked_at[key] = candidate
 
-    def rewrote(self, key: Any, rewrite: R.Rewrite) -> None:
+    def rewrote(self, key: Any, rewrite: reporting.Rewrite) -> None:
         self.rewrites.append(rewrite)
         self.decided.add(key)
 
-    def skip(self, key: Any, skip: R.Skip) -> None:
+    def skip(self, key: Any, skip: reporting.Skip) -> None:
         self.skipped.append(skip)
         self.decided.add(key)
 

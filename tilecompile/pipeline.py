@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import graph as G
-from tilecompile import reporting as R
+from tilecompile import graph as fxgraph
+from tilecompile import reporting
 from tilecompile.config import Settings
 from tilecompile.ops import own_autograd
 from tilecompile.pass_api import EXPECTED, PassContext, PassResult, snapshot_graph
@@ -98,18 +98,18 @@ def _run_passes(gm: fx.GraphModule, settings: Settings, graph_name: str) -> fx.G
 
 def _run_pass(gm: fx.GraphModule, name: str, settings: Settings, graph_name: str) -> None:
     with _Timed("snapshot"):
-        saved = {sub_name: snapshot_graph(sub.graph) for sub_name, sub in G.graph_modules(gm)}
+        saved = {sub_name: snapshot_graph(sub.graph) for sub_name, sub in fxgraph.graph_modules(gm)}
     try:
         result = PassResult()
         module = load_pass(name)
-        for sub_name, sub in G.graph_modules(gm):
+        for sub_name, sub in fxgraph.graph_modules(gm):
             result.extend(module.run(sub, PassContext(settings, sub_name)))
         for what in result.undecided():  # a candidate dropped without a reason: a bug of the pass
             if settings.strict:
                 raise PassFailed(f"{what} was looked at and dropped without a reason")
-            result.skipped.append(R.Skip(name, what, "", "dropped without a reason (a bug in the pass)"))
+            result.skipped.append(reporting.Skip(name, what, "", "dropped without a reason (a bug in the pass)"))
         with _Timed("check"):
-            for _, sub in G.graph_modules(gm):
+            for _, sub in fxgraph.graph_modules(gm):
                 sub.graph.lint()
                 check_rewritten_nodes(sub)
                 sub.recompile()
@@ -118,7 +118,7 @@ def _run_pass(gm: fx.GraphModule, name: str, settings: Settings, graph_name: str
         if getattr(exc, "undo_is_unsafe", False):  # e.g. a sharded graph left without its collectives
             raise
         reason = f"{type(exc).__name__}: {exc}"
-        R.record(failures=[R.Failure(name, graph_name, reason)])
+        reporting.record(failures=[reporting.Failure(name, graph_name, reason)])
         if settings.strict:
             raise PassFailed(f"tilecompile pass {name!r} failed on {graph_name}: {reason}") from exc
         warnings.warn(
@@ -127,7 +127,7 @@ def _run_pass(gm: fx.GraphModule, name: str, settings: Settings, graph_name: str
             stacklevel=4,
         )
         return
-    R.record(rewrites=result.rewrites, skipped=result.skipped)
+    reporting.record(rewrites=result.rewrites, skipped=result.skipped)
     for r in result.rewrites:
         log.info("%s rewrote %s %s", name, r.module_path or "<root>", r.shapes)
     for s in result.skipped:
@@ -135,7 +135,7 @@ def _run_pass(gm: fx.GraphModule, name: str, settings: Settings, graph_name: str
 
 
 def _restore(gm: fx.GraphModule, saved: dict[str, fx.Graph]) -> None:
-    for sub_name, sub in G.graph_modules(gm):
+    for sub_name, sub in fxgraph.graph_modules(gm):
         if sub_name in saved:
             sub.graph = saved[sub_name]
             sub.recompile()
@@ -147,7 +147,7 @@ def check_rewritten_nodes(gm: fx.GraphModule) -> None:
         if EXPECTED not in node.meta:
             continue
         expected = node.meta.pop(EXPECTED)
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: G.example_value(n))
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: fxgraph.example_value(n))
         # The mode the example values belong to: under Dynamo the tracing context may hold a different one (the
         # backend's), and fake tensors of two modes cannot be mixed.
         modes = {id(t.fake_mode): t.fake_mode for t in _flat_tensors((args, kwargs, expected)) if _is_fake(t)}
@@ -164,7 +164,7 @@ def check_rewritten_nodes(gm: fx.GraphModule) -> None:
         _compare(node, actual, expected)
         node.meta["example_value"] = actual
         for user in node.users:
-            if G.op(user) == "getitem" and isinstance(actual, tuple | list):
+            if fxgraph.op(user) == "getitem" and isinstance(actual, tuple | list):
                 item = actual[user.args[1]]
                 if EXPECTED in user.meta:
                     _compare(user, item, user.meta.pop(EXPECTED))
@@ -184,7 +184,7 @@ def _compare(node: fx.Node, actual: Any, expected: Any) -> None:
     if len(a) != len(e):
         raise PassFailed(f"{node.name}: produces {len(a)} tensors, the graph expects {len(e)}")
     for i, (x, y) in enumerate(zip(a, e)):
-        if x.dtype != y.dtype or not G.same_shape(tuple(x.shape), tuple(y.shape)):
+        if x.dtype != y.dtype or not fxgraph.same_shape(tuple(x.shape), tuple(y.shape)):
             raise PassFailed(
                 f"{node.name} output {i}: got {tuple(x.shape)} {x.dtype}, the graph expects {tuple(y.shape)} {y.dtype}"
             )

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-import tilecompile.ops.attention as OA  # registers torch.ops.tilecompile.masked_attention
-from tilecompile import graph as G
-from tilecompile import reporting as R
+import tilecompile.ops.attention as attention_ops  # registers torch.ops.tilecompile.masked_attention
+from tilecompile import graph as fxgraph
+from tilecompile import reporting
 from tilecompile.pass_api import PassContext, PassResult, expect
-from tilecompile.passes.attention import mask_algebra as AM
+from tilecompile.passes.attention import mask_algebra
 
 NAME = "attention"
 _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
@@ -44,7 +44,7 @@ def is_sdpa(node: fx.Node) -> bool:
 
 
 def _mask_arg(node: fx.Node) -> Any:
-    return G.arg(node, 3, "attn_mask")
+    return fxgraph.arg(node, 3, "attn_mask")
 
 
 def _body(gm: fx.GraphModule, hop: fx.Node) -> fx.GraphModule | None:
@@ -63,7 +63,7 @@ def _body(gm: fx.GraphModule, hop: fx.Node) -> fx.GraphModule | None:
 def _mask_source(node: Any) -> Any:
     """The mask an SDPA reads, through views that keep all of it (transformers 4.57 slices the mask to the key
     length in its sdpa path, ``mask[:, :, :, : key.shape[-2]]``, which is the whole mask when it is that long)."""
-    while isinstance(node, fx.Node) and (src := AM.whole_view(node)) is not None:
+    while isinstance(node, fx.Node) and (src := mask_algebra.whole_view(node)) is not None:
         node = src
     return node
 
@@ -76,30 +76,30 @@ def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def check_sdpa(node: fx.Node) -> str | None:
-    q, k, v = (G.arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
-    qs, ks, vs = G.shape(q), G.shape(k), G.shape(v)
+    q, k, v = (fxgraph.arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+    qs, ks, vs = fxgraph.shape(q), fxgraph.shape(k), fxgraph.shape(v)
     if qs is None or ks is None or vs is None:
         return "missing example values (shapes unknown)"
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
         return f"q {list(qs)}, k {list(ks)}, v {list(vs)} are not 4-D [B, H, N, D]"
-    if not G.same_size(qs[2], ks[2]):
+    if not fxgraph.same_size(qs[2], ks[2]):
         return f"query length {qs[2]} != key length {ks[2]} (not self-attention over one sequence)"
-    dropout = G.arg(node, 4, "dropout_p", 0.0)
+    dropout = fxgraph.arg(node, 4, "dropout_p", 0.0)
     if not _is_zero(dropout):
         return f"dropout_p={dropout!r} (only 0 is rewritten)"
-    if G.arg(node, 5, "is_causal", False) is not False:
+    if fxgraph.arg(node, 5, "is_causal", False) is not False:
         return "is_causal is already set together with a mask"
-    if not G.same_size(qs[1], ks[1]) and not G.arg(node, 7, "enable_gqa", False):
+    if not fxgraph.same_size(qs[1], ks[1]) and not fxgraph.arg(node, 7, "enable_gqa", False):
         return f"{qs[1]} query heads and {ks[1]} key heads without enable_gqa"
-    if G.dtype(q) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        return f"dtype {G.dtype(q)}"
+    if fxgraph.dtype(q) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return f"dtype {fxgraph.dtype(q)}"
     return None
 
 
 def _is_zero(value: Any) -> bool:
     """A literal 0, or a symbolic float (dynamic=True makes config floats symbolic) that is 0 under a guard."""
     if isinstance(value, fx.Node):
-        value = G.example_value(value)
+        value = fxgraph.example_value(value)
     if isinstance(value, torch.SymFloat | torch.SymInt):
         try:
             return bool(value == 0)  # guards on it: a call with another dropout recompiles
@@ -116,7 +116,7 @@ def check_uses(gm: fx.GraphModule, mask: fx.Node) -> str | None:
             if reason:
                 return f"{user.name}: {reason}"
             continue
-        if AM.whole_view(user) is mask:  # the whole mask, sliced to the key length: its uses are the mask's
+        if mask_algebra.whole_view(user) is mask:  # the whole mask, sliced to the key length: its uses are the mask's
             reason = check_uses(gm, user)
             if reason:
                 return reason
@@ -131,7 +131,7 @@ def check_uses(gm: fx.GraphModule, mask: fx.Node) -> str | None:
                     if reason:
                         return reason
             continue
-        return f"the mask is also used by {user.name} ({G.op(user) or user.target}), which would keep it alive"
+        return f"the mask is also used by {user.name} ({fxgraph.op(user) or user.target}), which would keep it alive"
     return None
 
 
@@ -140,20 +140,22 @@ def check_uses(gm: fx.GraphModule, mask: fx.Node) -> str | None:
 
 def _token_input(gm: fx.GraphModule, node: fx.Node, before: fx.Node) -> fx.Node:
     """``node`` as [B or 1, N] (a rank-1 per-token tensor gets a leading 1)."""
-    if len(G.shape(node)) == 2:
+    if len(fxgraph.shape(node)) == 2:
         return node
     with gm.graph.inserting_before(before):
         new = gm.graph.call_method("unsqueeze", (node, 0))
-    new.meta["example_value"] = G.example_value(node).unsqueeze(0)
+    new.meta["example_value"] = fxgraph.example_value(node).unsqueeze(0)
     return new
 
 
-def rewrite_uses(gm: fx.GraphModule, mask: fx.Node, spec: AM.MaskSpec, tokens: dict[str, fx.Node], out: list) -> None:
+def rewrite_uses(
+    gm: fx.GraphModule, mask: fx.Node, spec: mask_algebra.MaskSpec, tokens: dict[str, fx.Node], out: list
+) -> None:
     for user in list(mask.users):
         if is_sdpa(user):
             out.append(_rewrite_sdpa(gm, user, spec, tokens))
             continue
-        if AM.whole_view(user) is mask:
+        if mask_algebra.whole_view(user) is mask:
             rewrite_uses(gm, user, spec, tokens, out)
             if not user.users:  # a body is not swept by the pass's dead-code elimination
                 gm.graph.erase_node(user)
@@ -166,7 +168,7 @@ def rewrite_uses(gm: fx.GraphModule, mask: fx.Node, spec: AM.MaskSpec, tokens: d
             last = _placeholders(body)[-1]
             with body.graph.inserting_after(last):
                 ph = body.graph.placeholder(f"{node.name}_{key}")
-            ph.meta["example_value"] = G.example_value(node)
+            ph.meta["example_value"] = fxgraph.example_value(node)
             user.args = (*user.args, node)
             new_tokens[key] = ph
         for i in indices:
@@ -188,41 +190,45 @@ def unrepeated(node: Any) -> fx.Node | None:
     v to gather, save and read back."""
     if not isinstance(node, fx.Node):
         return None
-    shape = G.shape(node)
+    shape = fxgraph.shape(node)
     if shape is None or len(shape) != 4:
         return None
-    if G.op(node) == "repeat_interleave":
-        src, dim = G.arg(node, 0, "input"), G.arg(node, 2, "dim")
-        rep = G.arg(node, 1, "repeats")
-        ok = isinstance(rep, int) and rep >= 1 and dim in (1, -3) and G.arg(node, 3, "output_size") is None
-        return src if ok and isinstance(src, fx.Node) and len(G.shape(src) or ()) == 4 else None
-    merged = G.op(node) in ("reshape", "view") or (
-        G.op(node) == "flatten" and (G.arg(node, 1, "start_dim"), G.arg(node, 2, "end_dim")) in ((1, 2), (1, -3))
+    if fxgraph.op(node) == "repeat_interleave":
+        src, dim = fxgraph.arg(node, 0, "input"), fxgraph.arg(node, 2, "dim")
+        rep = fxgraph.arg(node, 1, "repeats")
+        ok = isinstance(rep, int) and rep >= 1 and dim in (1, -3) and fxgraph.arg(node, 3, "output_size") is None
+        return src if ok and isinstance(src, fx.Node) and len(fxgraph.shape(src) or ()) == 4 else None
+    merged = fxgraph.op(node) in ("reshape", "view") or (
+        fxgraph.op(node) == "flatten"
+        and (fxgraph.arg(node, 1, "start_dim"), fxgraph.arg(node, 2, "end_dim")) in ((1, 2), (1, -3))
     )
     if not merged or not isinstance(node.args[0], fx.Node):
         return None
     expanded = node.args[0]
-    es = G.shape(expanded)
-    if G.op(expanded) != "expand" or es is None or len(es) != 5 or not isinstance(expanded.args[0], fx.Node):
+    es = fxgraph.shape(expanded)
+    if fxgraph.op(expanded) != "expand" or es is None or len(es) != 5 or not isinstance(expanded.args[0], fx.Node):
         return None
     inserted = expanded.args[0]
     src = _unsqueezed_at_2(inserted)
-    ss = G.shape(src) if src is not None else None
-    if ss is None or len(ss) != 4 or not G.same_shape((ss[0], ss[1], 1, ss[2], ss[3]), G.shape(inserted)):
+    ss = fxgraph.shape(src) if src is not None else None
+    if ss is None or len(ss) != 4 or not fxgraph.same_shape((ss[0], ss[1], 1, ss[2], ss[3]), fxgraph.shape(inserted)):
         return None
-    rep, hkv = G.static_size(es[2]), G.static_size(ss[1])
-    if rep is None or hkv is None or G.static_size(shape[1]) != hkv * rep:
+    rep, hkv = fxgraph.static_size(es[2]), fxgraph.static_size(ss[1])
+    if rep is None or hkv is None or fxgraph.static_size(shape[1]) != hkv * rep:
         return None
-    if not (G.same_shape(es, (ss[0], ss[1], es[2], ss[2], ss[3])) and G.same_shape(shape, (ss[0], shape[1], *ss[2:]))):
+    if not (
+        fxgraph.same_shape(es, (ss[0], ss[1], es[2], ss[2], ss[3]))
+        and fxgraph.same_shape(shape, (ss[0], shape[1], *ss[2:]))
+    ):
         return None
     return src
 
 
 def _unsqueezed_at_2(node: fx.Node) -> fx.Node | None:
     """``x`` where ``node`` is ``x.unsqueeze(2)`` or ``x[:, :, None]`` (a 4-D x)."""
-    if G.op(node) == "unsqueeze" and G.arg(node, 1, "dim") == 2:
+    if fxgraph.op(node) == "unsqueeze" and fxgraph.arg(node, 1, "dim") == 2:
         return node.args[0] if isinstance(node.args[0], fx.Node) else None
-    if G.op(node) == "getitem" and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], tuple):
+    if fxgraph.op(node) == "getitem" and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], tuple):
         full = slice(None, None, None)
         index = node.args[1]
         if index[:3] == (full, full, None) and all(i == full or i is Ellipsis for i in index[3:]):
@@ -230,35 +236,37 @@ def _unsqueezed_at_2(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: dict[str, fx.Node]) -> R.Rewrite:
-    q, k, v = (G.arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
-    scale = G.arg(node, 6, "scale")
-    qs = G.shape(q)
+def _rewrite_sdpa(
+    gm: fx.GraphModule, node: fx.Node, spec: mask_algebra.MaskSpec, tokens: dict[str, fx.Node]
+) -> reporting.Rewrite:
+    q, k, v = (fxgraph.arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+    scale = fxgraph.arg(node, 6, "scale")
+    qs = fxgraph.shape(q)
     graph = gm.graph
-    gqa = G.arg(node, 7, "enable_gqa", False)
+    gqa = fxgraph.arg(node, 7, "enable_gqa", False)
     k0, v0 = unrepeated(k), unrepeated(v)
-    if k0 is not None and v0 is not None and G.same_size(G.shape(k0)[1], G.shape(v0)[1]):
+    if k0 is not None and v0 is not None and fxgraph.same_size(fxgraph.shape(k0)[1], fxgraph.shape(v0)[1]):
         k, v, gqa = k0, v0, True  # repeat_kv read through: attention takes GQA's key heads
-    ks = G.shape(k)
+    ks = fxgraph.shape(k)
     through = f"; GQA {qs[1]}/{ks[1]} heads, repeat_kv read through" if k is k0 and k0 is not None else ""
     if spec.is_causal or spec.is_full:
-        dropout = G.arg(node, 4, "dropout_p", 0.0)  # 0, perhaps symbolic: kept as the graph had it
+        dropout = fxgraph.arg(node, 4, "dropout_p", 0.0)  # 0, perhaps symbolic: kept as the graph had it
         kwargs = {"attn_mask": None, "dropout_p": dropout, "is_causal": spec.is_causal, "scale": scale}
         if gqa:
             kwargs["enable_gqa"] = True
         with graph.inserting_before(node):
             new = graph.call_function(node.target, (q, k, v), kwargs)
         detail = "is_causal=True, no mask (flash)" if spec.is_causal else "no mask (nothing masked)"
-        expect(new, G.example_value(node))
+        expect(new, fxgraph.example_value(node))
         result = new
     else:
         if scale is None:
-            scale = 1.0 / math.sqrt(G.hint(qs[-1]))
+            scale = 1.0 / math.sqrt(fxgraph.hint(qs[-1]))
         elif isinstance(scale, fx.Node):  # a symbolic float under dynamic=True: specialised, under a guard
-            scale = float(G.example_value(scale))
+            scale = float(fxgraph.example_value(scale))
         # Under autocast SDPA computes in the autocast dtype whatever q, k, v are (RoPE's fp32 cos / sin make q and k
         # fp32 beside a bf16 v); the op does not autocast, so it gets the casts autocast would make.
-        want = G.example_value(node).dtype
+        want = fxgraph.example_value(node).dtype
         with graph.inserting_before(node):
             q, k, v = (_cast(graph, t, want) for t in (q, k, v))
         plan = [tokens[f"plan{i}"] for i in range(PLAN_SIZE)] if "plan0" in tokens else []
@@ -277,7 +285,7 @@ def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: 
         with graph.inserting_before(node):
             call = graph.call_function(torch.ops.tilecompile.masked_attention.default, args)
             result = graph.call_function(operator.getitem, (call, 0))
-        ev = G.example_value(node)
+        ev = fxgraph.example_value(node)
         lse_dtype = torch.float64 if ev.dtype == torch.float64 else torch.float32
         expect(call, (ev, ev.new_empty(ev.shape[:-1], dtype=lse_dtype)))
         detail = f"masked_attention: {spec.describe()}"
@@ -287,9 +295,9 @@ def _rewrite_sdpa(gm: fx.GraphModule, node: fx.Node, spec: AM.MaskSpec, tokens: 
         n.meta.setdefault("stack_trace", node.meta.get("stack_trace"))
     node.replace_all_uses_with(result)
     graph.erase_node(node)
-    shapes = {"q": tuple(G.hint(s) for s in qs), "k": tuple(G.hint(s) for s in ks)}
-    path = G.module_path(result) or G.module_path(new)
-    return R.Rewrite(NAME, path, shapes, {"q": str(G.dtype(q)).replace("torch.", "")}, detail + through)
+    shapes = {"q": tuple(fxgraph.hint(s) for s in qs), "k": tuple(fxgraph.hint(s) for s in ks)}
+    path = fxgraph.module_path(result) or fxgraph.module_path(new)
+    return reporting.Rewrite(NAME, path, shapes, {"q": str(fxgraph.dtype(q)).replace("torch.", "")}, detail + through)
 
 
 # ------------------------------------------------------------------------------------------------------- run
@@ -309,21 +317,21 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for mask, direct in masks.items():
         if mask.op == "placeholder":
             continue  # a body's mask comes from its parent graph, which reads it there
-        seq = (G.shape(mask) or (None,))[-1]  # checked against q and k at each use
+        seq = (fxgraph.shape(mask) or (None,))[-1]  # checked against q and k at each use
         candidate = f"mask {mask.name}"
         result.consider(mask, candidate)
-        path = G.module_path(direct[0]) if direct else ""
+        path = fxgraph.module_path(direct[0]) if direct else ""
         try:
-            spec = AM.analyze(mask, seq) if seq is not None else None
-        except AM.NotIndexArithmetic as exc:
-            result.skip(mask, R.Skip(NAME, candidate, path, f"the mask is not index arithmetic: {exc}"))
+            spec = mask_algebra.analyze(mask, seq) if seq is not None else None
+        except mask_algebra.NotIndexArithmetic as exc:
+            result.skip(mask, reporting.Skip(NAME, candidate, path, f"the mask is not index arithmetic: {exc}"))
             continue
         if spec is None:
-            result.skip(mask, R.Skip(NAME, candidate, path, "sequence length unknown"))
+            result.skip(mask, reporting.Skip(NAME, candidate, path, "sequence length unknown"))
             continue
         reason = check_uses(gm, mask)
         if reason:
-            result.skip(mask, R.Skip(NAME, candidate, path, reason))
+            result.skip(mask, reporting.Skip(NAME, candidate, path, reason))
             continue
         tokens = {}
         first_user = min(mask.users, key=_order(gm))
@@ -337,7 +345,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             tokens["doc"] = _chunk_ids(gm, spec.chunk, first_user)
         if tokens and not (spec.is_causal or spec.is_full):
             tokens |= _plan(gm, spec, tokens, first_user)
-        rewritten: list[R.Rewrite] = []
+        rewritten: list[reporting.Rewrite] = []
         rewrite_uses(gm, mask, spec, tokens, rewritten)
         for r in rewritten:
             result.rewrote(mask, r)
@@ -345,9 +353,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if _eager_attention(node):
             candidate = "matmul-softmax-matmul attention"
             result.consider(node, candidate)
-            result.skip(node, R.Skip(NAME, candidate, G.module_path(node), _EAGER_REASON))
+            result.skip(node, reporting.Skip(NAME, candidate, fxgraph.module_path(node), _EAGER_REASON))
     if result.rewrites:
-        G.eliminate_dead_code(gm.graph)
+        fxgraph.eliminate_dead_code(gm.graph)
     return result
 
 
@@ -363,45 +371,49 @@ def _eager_attention(node: fx.Node) -> bool:
     """``node`` is the softmax of attention written out: its input, through a few elementwise steps (scale, mask,
     softcap, casts), is a matmul whose [..., N, M] output it normalises, and a matmul (after casts or dropout)
     reads its result."""
-    if G.op(node) != "softmax" or len(G.shape(node) or ()) != 4:
+    if fxgraph.op(node) != "softmax" or len(fxgraph.shape(node) or ()) != 4:
         return False
     src, steps = node.args[0] if node.args else None, 8
-    while isinstance(src, fx.Node) and steps and G.op(src) in _SCORE_STEPS:
-        nodes = [a for a in src.args if isinstance(a, fx.Node) and G.same_shape(G.shape(a) or (), G.shape(node))]
+    while isinstance(src, fx.Node) and steps and fxgraph.op(src) in _SCORE_STEPS:
+        nodes = [
+            a
+            for a in src.args
+            if isinstance(a, fx.Node) and fxgraph.same_shape(fxgraph.shape(a) or (), fxgraph.shape(node))
+        ]
         src, steps = (nodes[0] if nodes else None), steps - 1
-    if not isinstance(src, fx.Node) or G.op(src) != "matmul":
+    if not isinstance(src, fx.Node) or fxgraph.op(src) != "matmul":
         return False
     todo, steps = list(node.users), 6
     while todo and steps:
         user, steps = todo.pop(), steps - 1
-        if G.op(user) == "matmul" and user.args and user.args[0] is not None:
+        if fxgraph.op(user) == "matmul" and user.args and user.args[0] is not None:
             return True
-        if G.op(user) in ("dropout", "to", "float", "type_as", "contiguous"):
+        if fxgraph.op(user) in ("dropout", "to", "float", "type_as", "contiguous"):
             todo += list(user.users)
     return False
 
 
-PLAN_SIZE = 8  # the tensors of tilecompile::attention_plan (OA.plan_fakes)
+PLAN_SIZE = 8  # the tensors of tilecompile::attention_plan (attention_ops.plan_fakes)
 
 
 def _cast(graph: fx.Graph, t: fx.Node, dtype: torch.dtype) -> fx.Node:
-    if G.dtype(t) == dtype:
+    if fxgraph.dtype(t) == dtype:
         return t
     new = graph.call_method("to", (t, dtype))
-    new.meta["example_value"] = G.example_value(t).to(dtype)
+    new.meta["example_value"] = fxgraph.example_value(t).to(dtype)
     return new
 
 
 _TESTS = {"eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}
 
 
-def _chunk_ids(gm: fx.GraphModule, chunk: AM.Chunk, before: fx.Node) -> fx.Node:
+def _chunk_ids(gm: fx.GraphModule, chunk: mask_algebra.Chunk, before: fx.Node) -> fx.Node:
     """[B or 1, N] chunk ids (t + Σ coef · row[b] + const) // k, t = 0 .. N-1, from the mask's own arange."""
     graph = gm.graph
 
     def emit(fn, args):
         new = graph.call_function(fn, args)
-        new.meta["example_value"] = fn(*(G.example_value(a) if isinstance(a, fx.Node) else a for a in args))
+        new.meta["example_value"] = fn(*(fxgraph.example_value(a) if isinstance(a, fx.Node) else a for a in args))
         return new
 
     with graph.inserting_before(before):
@@ -418,16 +430,18 @@ def _tested(gm: fx.GraphModule, node: fx.Node, test: tuple[str, int], before: fx
     op, k = test
     with gm.graph.inserting_before(before):
         new = gm.graph.call_function(_TESTS[op], (node, k))
-    new.meta["example_value"] = _TESTS[op](G.example_value(node), k)
+    new.meta["example_value"] = _TESTS[op](fxgraph.example_value(node), k)
     return new
 
 
-def _plan(gm: fx.GraphModule, spec: AM.MaskSpec, tokens: dict[str, fx.Node], before: fx.Node) -> dict[str, fx.Node]:
+def _plan(
+    gm: fx.GraphModule, spec: mask_algebra.MaskSpec, tokens: dict[str, fx.Node], before: fx.Node
+) -> dict[str, fx.Node]:
     """One ``attention_plan`` call beside the mask: every layer's op reads the packing (and the one host sync's
     result) from it instead of working it out again."""
     args = (tokens.get("pos"), tokens.get("doc"), tokens.get("valid"), spec.lo, spec.hi)
-    values = [G.example_value(tokens[key]) for key in ("pos", "doc", "valid") if key in tokens]
-    fakes = OA.plan_fakes(values[0], max(v.shape[0] for v in values) * values[0].shape[-1])
+    values = [fxgraph.example_value(tokens[key]) for key in ("pos", "doc", "valid") if key in tokens]
+    fakes = attention_ops.plan_fakes(values[0], max(v.shape[0] for v in values) * values[0].shape[-1])
     with gm.graph.inserting_before(before):
         call = gm.graph.call_function(torch.ops.tilecompile.attention_plan.default, args)
         items = {}
@@ -449,7 +463,7 @@ def _reaches_sdpa_mask(body: fx.GraphModule, ph: fx.Node) -> bool:
     for user in ph.users:
         if is_sdpa(user) and _mask_arg(user) is ph:
             return True
-        if AM.whole_view(user) is ph and _reaches_sdpa_mask(body, user):
+        if mask_algebra.whole_view(user) is ph and _reaches_sdpa_mask(body, user):
             return True
         inner = _body(body, user)
         if inner is not None:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import graph as G
+from tilecompile import graph as fxgraph
 
 # ------------------------------------------------------------------------------------------------ abstract values
 
@@ -268,7 +268,7 @@ def _is_floordiv(node: fx.Node) -> bool:
         return True
     if node.op == "call_method" and node.target in ("floor_divide", "__floordiv__"):
         return True
-    return G.op(node) == "div" and G.arg(node, 2, "rounding_mode") == "floor"
+    return fxgraph.op(node) == "div" and fxgraph.arg(node, 2, "rounding_mode") == "floor"
 
 
 def _chunk_cmp(node: fx.Node | None, op: str, a: Any, b: Any) -> Bool:
@@ -322,11 +322,11 @@ class Interpreter:
 
     # A per-token tensor: [N], [1, N] or [B, N], not built from anything of the mask's [.., N, N] frame.
     def is_token_level(self, node: fx.Node) -> bool:
-        shp = G.shape(node)
-        if shp is None or len(shp) not in (1, 2) or not G.same_size(shp[-1], self.seq):
+        shp = fxgraph.shape(node)
+        if shp is None or len(shp) not in (1, 2) or not fxgraph.same_size(shp[-1], self.seq):
             return False
         # inside vmap a node's shape is per example: a batched [N] is not a per-token tensor of the graph
-        return G.dtype(node) in (*_INT_DTYPES, torch.bool) and not self.vmap_levels(node)
+        return fxgraph.dtype(node) in (*_INT_DTYPES, torch.bool) and not self.vmap_levels(node)
 
     def vmap_levels(self, node: fx.Node) -> frozenset:
         """The vmap levels ``node`` is batched over (empty outside vmap)."""
@@ -337,7 +337,7 @@ class Interpreter:
         if not self.has_vmap:
             return frozenset()
         name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
-        inputs = frozenset().union(*(self.vmap_levels(a) for a in G.tensor_args(node)))
+        inputs = frozenset().union(*(self.vmap_levels(a) for a in fxgraph.tensor_args(node)))
         if name == "_add_batch_dim":
             inputs |= {node.args[2]}
         elif name == "_remove_batch_dim":
@@ -346,9 +346,9 @@ class Interpreter:
         return inputs
 
     def opaque(self, node: fx.Node) -> Any:
-        rank = len(G.shape(node))
+        rank = len(fxgraph.shape(node))
         base = Tok(node, -1, -2 if rank == 2 else None)
-        return Bool("truth", (base,)) if G.dtype(node) == torch.bool else Num.of({base: 1}, 0)
+        return Bool("truth", (base,)) if fxgraph.dtype(node) == torch.bool else Num.of({base: 1}, 0)
 
     def value(self, node: Any) -> Any:
         if not isinstance(node, fx.Node):
@@ -374,12 +374,14 @@ class Interpreter:
         return v
 
     def _eval(self, node: fx.Node) -> Any:
-        name = G.op(node)
-        rank = len(G.shape(node) or ())
+        name = fxgraph.op(node)
+        rank = len(fxgraph.shape(node) or ())
         if node.op in ("placeholder", "get_attr"):
             if self.is_token_level(node):
                 return self.opaque(node)
-            raise NotIndexArithmetic(f"{node.name} is a graph input of shape {G.shape(node)}, not per-token [B, N]")
+            raise NotIndexArithmetic(
+                f"{node.name} is a graph input of shape {fxgraph.shape(node)}, not per-token [B, N]"
+            )
         if node.op == "call_function" and node.target is torch.arange:
             return self._arange(node)
         vmap = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
@@ -392,7 +394,7 @@ class Interpreter:
             return self._gather(node, src, tuple(indices))
         cmp = _cmp_name(node)
         if cmp is not None:
-            xa, xb = G.arg(node, 0, "input"), G.arg(node, 1, "other")
+            xa, xb = fxgraph.arg(node, 0, "input"), fxgraph.arg(node, 1, "other")
             va, vb = self.value(xa), self.value(xb)
             if isinstance(va, FloorDiv) or isinstance(vb, FloorDiv):
                 return _chunk_cmp(node, cmp, va, vb)
@@ -402,40 +404,40 @@ class Interpreter:
             return self._floordiv(node)
         logic = _logic_name(node)
         if logic == "not":
-            return _not(self._bool(G.arg(node, 0, "input")))
+            return _not(self._bool(fxgraph.arg(node, 0, "input")))
         if logic is not None:
-            a, b = (self._bool(x) for x in (G.arg(node, 0, "input"), G.arg(node, 1, "other")))
+            a, b = (self._bool(x) for x in (fxgraph.arg(node, 0, "input"), fxgraph.arg(node, 1, "other")))
             return _and(a, b) if logic == "and" else _or(a, b)
         if node.op in ("call_function", "call_method") and _INPLACE.get(node.target) is not None:
             return self._inplace(node, _INPLACE[node.target])
         if name in ("add", "sub"):
-            a, b = self._num(G.arg(node, 0, "input")), self._num(G.arg(node, 1, "other"))
-            alpha = G.arg(node, 2, "alpha", 1)
+            a, b = self._num(fxgraph.arg(node, 0, "input")), self._num(fxgraph.arg(node, 1, "other"))
+            alpha = fxgraph.arg(node, 2, "alpha", 1)
             if not isinstance(alpha, int):
                 raise NotIndexArithmetic(f"{node.name}: non-integer alpha")
             return a.add(b.scale(alpha), 1 if name == "add" else -1)
         if name == "mul":
-            a, b = self.value(G.arg(node, 0, "input")), self.value(G.arg(node, 1, "other"))
+            a, b = self.value(fxgraph.arg(node, 0, "input")), self.value(fxgraph.arg(node, 1, "other"))
             if isinstance(a, Bool) and isinstance(b, Bool):
                 return _and(a, b)
-            a, b = self._num(G.arg(node, 0, "input")), self._num(G.arg(node, 1, "other"))
+            a, b = self._num(fxgraph.arg(node, 0, "input")), self._num(fxgraph.arg(node, 1, "other"))
             if a.is_const:
                 return b.scale(a.const)
             if b.is_const:
                 return a.scale(b.const)
             raise NotIndexArithmetic(f"{node.name}: product of two index terms")
         if name == "neg":
-            return self._num(G.arg(node, 0, "input")).scale(-1)
+            return self._num(fxgraph.arg(node, 0, "input")).scale(-1)
         if name == "getitem":
             return self._getitem(node, rank)
         if name in ("unsqueeze",):
-            src = G.arg(node, 0, "input")
-            d = G.normalize_dim(G.arg(node, 1, "dim"), rank)
+            src = fxgraph.arg(node, 0, "input")
+            d = fxgraph.normalize_dim(fxgraph.arg(node, 1, "dim"), rank)
             in_rank = rank - 1
             mapping = {i: (i if i < d else i + 1) for i in range(in_rank)}
             return _remap(self.value(src), in_rank, rank, mapping)
         if name in ("expand", "expand_as", "broadcast_to") or name in _IDENTITY_METHODS:
-            return self.value(G.arg(node, 0, "input"))
+            return self.value(fxgraph.arg(node, 0, "input"))
         if name in ("to", "type", "bool", "long", "int", "type_as"):
             return self._cast(node)
         if name in ("new_ones", "ones_like", "new_zeros", "zeros_like", "ones", "zeros", "new_full", "full_like",
@@ -452,14 +454,14 @@ class Interpreter:
     # -- helpers
 
     def _floordiv(self, node: fx.Node) -> Any:
-        a, k = self._num(G.arg(node, 0, "input")), G.arg(node, 1, "other")
-        if isinstance(k, fx.Node) and isinstance(G.example_value(k), torch.SymInt):
+        a, k = self._num(fxgraph.arg(node, 0, "input")), fxgraph.arg(node, 1, "other")
+        if isinstance(k, fx.Node) and isinstance(fxgraph.example_value(k), torch.SymInt):
             # a chunk size passed into the compiled function, under dynamic shapes: pinned to this call's value
             # under a guard (another value recompiles)
             from torch.fx.experimental.symbolic_shapes import guard_int
 
             try:
-                k = guard_int(G.example_value(k))
+                k = guard_int(fxgraph.example_value(k))
             except Exception:  # noqa: BLE001 - unbacked (data-dependent): no value to read, a reason below
                 pass
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
@@ -469,13 +471,13 @@ class Interpreter:
     def _inplace(self, node: fx.Node, name: str) -> Num:
         """``x += k`` (transformers 4.57: ``kv_arange += kv_offset``): x's new value, read only when nothing else
         reads x (a reader of x would see the old or the new value depending on where it is)."""
-        src, other = G.arg(node, 0, "input"), G.arg(node, 1, "other")
-        if not isinstance(src, fx.Node) or len(src.users) != 1 or G.arg(node, 2, "alpha", 1) != 1:
+        src, other = fxgraph.arg(node, 0, "input"), fxgraph.arg(node, 1, "other")
+        if not isinstance(src, fx.Node) or len(src.users) != 1 or fxgraph.arg(node, 2, "alpha", 1) != 1:
             raise NotIndexArithmetic(f"{node.name}: in-place {name} into {getattr(src, 'name', src)}, read elsewhere")
         v = self._num(src).add(self._num(other), 1 if name == "add" else -1)
         # an arange chunks are built from is read after the mask's nodes: the mutated one no longer starts where it did
         self.aranges = [(n, start) for n, start in self.aranges if n is not src]
-        if len(G.shape(node) or ()) == 1 and v.terms == ((Idx(-1), 1),):
+        if len(fxgraph.shape(node) or ()) == 1 and v.terms == ((Idx(-1), 1),):
             self.aranges.append((node, v.const))
         return v
 
@@ -513,9 +515,9 @@ class Interpreter:
         return Num.of({Idx(-1): 1}, start)
 
     def _cast(self, node: fx.Node) -> Any:
-        src = G.arg(node, 0, "input")
+        src = fxgraph.arg(node, 0, "input")
         v = self.value(src)
-        target = G.dtype(node)
+        target = fxgraph.dtype(node)
         if target == torch.bool:
             return self._bool(src)
         if target in _INT_DTYPES:
@@ -524,24 +526,24 @@ class Interpreter:
                     return Num.of({}, int(v.args[0]))
                 raise NotIndexArithmetic(f"{node.name}: a boolean formula cast to integers")
             return v
-        if G.dtype(src) == target:
+        if fxgraph.dtype(src) == target:
             return v
         raise NotIndexArithmetic(f"{node.name}: cast to {target}")
 
     def _filled(self, node: fx.Node, name: str) -> Any:
         if name in ("new_full", "full_like", "full"):
-            fill = G.arg(node, 2 if name in ("new_full",) else 1, "fill_value")
+            fill = fxgraph.arg(node, 2 if name in ("new_full",) else 1, "fill_value")
         else:
             fill = 1 if "ones" in name else 0
-        if G.dtype(node) == torch.bool:
+        if fxgraph.dtype(node) == torch.bool:
             return Bool.const(bool(fill))
         if isinstance(fill, bool) or not isinstance(fill, int):
             raise NotIndexArithmetic(f"{node.name}: filled with {fill!r}")
         return Num.of({}, fill)
 
     def _where(self, node: fx.Node) -> Any:
-        cond = self._bool(G.arg(node, 0, "condition"))
-        a, b = self.value(G.arg(node, 1, "input")), self.value(G.arg(node, 2, "other"))
+        cond = self._bool(fxgraph.arg(node, 0, "condition"))
+        a, b = self.value(fxgraph.arg(node, 1, "input")), self.value(fxgraph.arg(node, 2, "other"))
         if isinstance(a, Bool) and isinstance(b, Bool) and a.kind == "const" and b.kind == "const":
             if a.args[0] and not b.args[0]:
                 return cond
@@ -552,10 +554,10 @@ class Interpreter:
     def _getitem(self, node: fx.Node, rank: int) -> Any:
         src, index = node.args
         index = index if isinstance(index, tuple) else (index,)
-        in_rank = len(G.shape(src) or ())
+        in_rank = len(fxgraph.shape(src) or ())
         if any(isinstance(i, fx.Node) for i in index):
             return self._gather(node, src, index)
-        index = _whole_items(index, G.shape(src) or ())
+        index = _whole_items(index, fxgraph.shape(src) or ())
         mapping = _index_view_map(in_rank, index)
         if mapping is not None:
             return _remap(self.value(src), in_rank, rank, mapping)
@@ -570,7 +572,7 @@ class Interpreter:
         if not all(i is None or i is Ellipsis or isinstance(i, slice) for i in items):
             raise NotIndexArithmetic(f"{node.name}: indexing {index!r}")
         mapping = _index_view_map(in_rank, tuple(slice(None) if isinstance(i, slice) else i for i in items))
-        out_shape = G.shape(node)
+        out_shape = fxgraph.shape(node)
         if mapping is None or out_shape is None:
             raise NotIndexArithmetic(f"{node.name}: indexing {index!r}")
         n_real = sum(1 for i in items if isinstance(i, slice))
@@ -586,11 +588,11 @@ class Interpreter:
             if item != slice(None):
                 if item.step not in (None, 1):
                     raise NotIndexArithmetic(f"{node.name}: slice {item} of an index form, with a step")
-                start = _slice_start(item.start, G.shape(src)[dim])
+                start = _slice_start(item.start, fxgraph.shape(src)[dim])
                 if start is None:
                     raise NotIndexArithmetic(f"{node.name}: slice {item} of an index form, from a start not known here")
                 starts[dim - in_rank] = start
-                if G.static_size(out_shape[mapping[dim]]) == 1:
+                if fxgraph.static_size(out_shape[mapping[dim]]) == 1:
                     fixed.add(dim - in_rank)
             dim += 1
         return _remap(_sliced(self.value(src), starts, fixed, node), in_rank, rank, mapping)
@@ -601,8 +603,8 @@ class Interpreter:
         if (
             not self.is_token_level(src)
             and len(index) == 1
-            and len(G.shape(src) or ()) == 1
-            and G.dtype(src) in _INT_DTYPES
+            and len(fxgraph.shape(src) or ()) == 1
+            and fxgraph.dtype(src) in _INT_DTYPES
             and not self.vmap_levels(src)
         ):
             i = self._num(index[0])
@@ -611,7 +613,7 @@ class Interpreter:
             return Num.of({Row(src, i.terms[0][0].axis): 1}, 0)
         if not self.is_token_level(src):
             raise NotIndexArithmetic(f"{node.name}: tensor-indexed {src.name} is not a per-token tensor")
-        in_rank = len(G.shape(src))
+        in_rank = len(fxgraph.shape(src))
         if len(index) != in_rank:
             raise NotIndexArithmetic(f"{node.name}: {len(index)} indices into a rank-{in_rank} tensor")
         idx = [self._num(i) for i in index]
@@ -627,7 +629,7 @@ class Interpreter:
             raise NotIndexArithmetic(f"{node.name}: batch index is not the batch index")
         t_axis, t_off = tok.terms[0][0].axis, tok.const
         b_axis = None if bat is None or bat.is_const else bat.terms[0][0].axis
-        if bat is not None and bat.is_const and (bat.const != 0 or G.hint(G.shape(src)[0]) != 1):
+        if bat is not None and bat.is_const and (bat.const != 0 or fxgraph.hint(fxgraph.shape(src)[0]) != 1):
             raise NotIndexArithmetic(f"{node.name}: one fixed row of {src.name} for every batch row")
         v = self.value(src)
 
@@ -649,8 +651,8 @@ class Interpreter:
 
     def _add_batch_dim(self, node: fx.Node) -> Any:
         src, in_dim, level = node.args[:3]
-        in_rank = len(G.shape(src) or ())
-        gone = G.normalize_dim(in_dim, in_rank) - in_rank
+        in_rank = len(fxgraph.shape(src) or ())
+        gone = fxgraph.normalize_dim(in_dim, in_rank) - in_rank
 
         def fn(axis):
             if axis == gone:
@@ -661,7 +663,7 @@ class Interpreter:
 
     def _remove_batch_dim(self, node: fx.Node) -> Any:
         src, level, _size, out_dim = node.args[:4]
-        r, big = len(G.shape(src) or ()), len(G.shape(node) or ())
+        r, big = len(fxgraph.shape(src) or ()), len(fxgraph.shape(node) or ())
 
         def fn(axis):
             if axis == ("vmap", level):
@@ -675,10 +677,10 @@ class Interpreter:
 
     def _diff(self, node: fx.Node) -> Any:
         """diff(x, prepend=p, dim=-1) of x = c·index + k with p = k - c: the constant c everywhere."""
-        x = self._num(G.arg(node, 0, "input"))
-        dim, n = G.arg(node, 2, "dim", -1), G.arg(node, 1, "n", 1)
-        prepend, append = G.arg(node, 3, "prepend"), G.arg(node, 4, "append")
-        if n != 1 or append is not None or prepend is None or dim not in (-1, len(G.shape(node)) - 1):
+        x = self._num(fxgraph.arg(node, 0, "input"))
+        dim, n = fxgraph.arg(node, 2, "dim", -1), fxgraph.arg(node, 1, "n", 1)
+        prepend, append = fxgraph.arg(node, 3, "prepend"), fxgraph.arg(node, 4, "append")
+        if n != 1 or append is not None or prepend is None or dim not in (-1, len(fxgraph.shape(node)) - 1):
             raise NotIndexArithmetic(f"{node.name}: diff form not folded")
         p = self._num(prepend)
         slope = dict(x.terms).get(Idx(-1), 0)
@@ -688,9 +690,9 @@ class Interpreter:
         raise NotIndexArithmetic(f"{node.name}: diff of a non-affine per-token tensor")
 
     def _cumsum(self, node: fx.Node) -> Any:
-        x = self.value(G.arg(node, 0, "input"))
-        dim = G.arg(node, 1, "dim")
-        if dim not in (-1, len(G.shape(node)) - 1):
+        x = self.value(fxgraph.arg(node, 0, "input"))
+        dim = fxgraph.arg(node, 1, "dim")
+        if dim not in (-1, len(fxgraph.shape(node)) - 1):
             raise NotIndexArithmetic(f"{node.name}: cumsum not along the token axis")
         c = (
             int(x.args[0])
@@ -753,7 +755,7 @@ def _sliced(value: Any, starts: dict[int, int], fixed: set[int], node: fx.Node) 
 
 def _size_of(x: Any) -> Any:
     """A slice bound as a size: an int, or the SymInt an fx node (``key.shape[-2]`` under dynamic shapes) holds."""
-    return G.example_value(x) if isinstance(x, fx.Node) else x
+    return fxgraph.example_value(x) if isinstance(x, fx.Node) else x
 
 
 def _known_ge(a: Any, b: Any) -> bool:
@@ -780,7 +782,7 @@ def _slice_start(start: Any, size: Any) -> int | None:
         return None
     if start >= 0:
         return start
-    n = G.static_size(size)
+    n = fxgraph.static_size(size)
     return None if n is None else max(0, n + start)
 
 
@@ -811,15 +813,15 @@ def _whole_items(index: tuple, shape: tuple) -> tuple:
 def whole_view(node: fx.Node) -> fx.Node | None:
     """The source of ``node`` when ``node`` is ``source[index]`` keeping every element of it (``:``, ``...``, or
     slices that provably cover their dims), so the same tensor as it stands; None otherwise."""
-    if G.op(node) != "getitem" or len(node.args) != 2 or not isinstance(node.args[0], fx.Node):
+    if fxgraph.op(node) != "getitem" or len(node.args) != 2 or not isinstance(node.args[0], fx.Node):
         return None
     src, index = node.args
     index = index if isinstance(index, tuple) else (index,)
-    shape = G.shape(src)
+    shape = fxgraph.shape(src)
     if shape is None or not all(isinstance(i, slice) or i is Ellipsis for i in index):
         return None
     mapping = _index_view_map(len(shape), _whole_items(index, shape))
-    if mapping is None or not G.same_shape(G.shape(node) or (), shape):
+    if mapping is None or not fxgraph.same_shape(fxgraph.shape(node) or (), shape):
         return None
     return src
 
@@ -841,20 +843,20 @@ def _conjuncts(f: Bool) -> list[Bool]:
 
 def analyze(mask: fx.Node, seq: Any) -> MaskSpec:
     """The spec of ``mask`` (a [.., N, N] bool, or 0 / -inf float, tensor node), or NotIndexArithmetic."""
-    shp = G.shape(mask)
+    shp = fxgraph.shape(mask)
     if shp is None or len(shp) < 2 or len(shp) > 4:
         raise NotIndexArithmetic(f"mask {mask.name} of shape {shp}")
-    if not (G.same_size(shp[-1], seq) and G.same_size(shp[-2], seq)):
+    if not (fxgraph.same_size(shp[-1], seq) and fxgraph.same_size(shp[-2], seq)):
         raise NotIndexArithmetic(f"mask {mask.name} {list(shp)} is not [.., {seq}, {seq}]")
-    if len(shp) >= 3 and G.hint(shp[-3]) != 1:
+    if len(shp) >= 3 and fxgraph.hint(shp[-3]) != 1:
         raise NotIndexArithmetic(f"mask {mask.name} {list(shp)} differs per head")
     interp = Interpreter(seq)
-    if G.dtype(mask) == torch.bool:
+    if fxgraph.dtype(mask) == torch.bool:
         formula = interp._bool(mask)
-    elif G.dtype(mask) in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    elif fxgraph.dtype(mask) in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         formula = _additive(interp, mask)
     else:
-        raise NotIndexArithmetic(f"mask {mask.name} of dtype {G.dtype(mask)}")
+        raise NotIndexArithmetic(f"mask {mask.name} of dtype {fxgraph.dtype(mask)}")
     rank = len(shp)
     q_axis, kv_axis, b_axis = -2, -1, (-4 if rank == 4 else None)
     spec: dict[str, Any] = {}
@@ -868,7 +870,7 @@ def analyze(mask: fx.Node, seq: Any) -> MaskSpec:
         if spec.get("doc") is not None:
             raise NotIndexArithmetic("documents and chunks together (one document equality is rewritten, not two)")
         rows, const, k = spec["chunk"]
-        index = [(n, s) for n, s in interp.aranges if G.same_size((G.shape(n) or (None,))[-1], seq)]
+        index = [(n, s) for n, s in interp.aranges if fxgraph.same_size((fxgraph.shape(n) or (None,))[-1], seq)]
         if not index:
             raise NotIndexArithmetic("chunks of an index with no arange of the sequence's length to build them from")
         chunk = Chunk(index[0][0], index[0][1], rows, const, k)
@@ -879,21 +881,21 @@ def _additive(interp: Interpreter, mask: fx.Node) -> Bool:
     """A float mask that is 0 where allowed and -inf elsewhere: ``where(cond, 0, -inf)`` (or the reverse), or
     ``base.masked_fill(cond, -inf)`` of such a mask or of zeros. (``finfo.min`` is not -inf: a row with no allowed
     key then attends every key uniformly, so it is not read as a mask.)"""
-    if G.op(mask) == "masked_fill":
-        base, cond, fill = G.arg(mask, 0, "input"), G.arg(mask, 1, "mask"), G.arg(mask, 2, "value")
+    if fxgraph.op(mask) == "masked_fill":
+        base, cond, fill = fxgraph.arg(mask, 0, "input"), fxgraph.arg(mask, 1, "mask"), fxgraph.arg(mask, 2, "value")
         if fill != -math.inf:
             raise NotIndexArithmetic(f"float mask {mask.name} fills {fill!r}, not -inf")
-        if isinstance(base, fx.Node) and G.op(base) in ("where", "masked_fill"):
+        if isinstance(base, fx.Node) and fxgraph.op(base) in ("where", "masked_fill"):
             allowed = _additive(interp, base)
         elif isinstance(base, fx.Node) and interp.value(base) == Num.of({}, 0):
             allowed = Bool.const(True)
         else:
             raise NotIndexArithmetic(f"float mask {mask.name} fills -inf into {getattr(base, 'name', base)}, not zeros")
         return _and(allowed, _not(interp._bool(cond)))
-    if G.op(mask) != "where":
+    if fxgraph.op(mask) != "where":
         raise NotIndexArithmetic(f"float mask {mask.name} is not where(cond, 0, -inf)")
-    a, b = G.arg(mask, 1, "input"), G.arg(mask, 2, "other")
-    cond = interp._bool(G.arg(mask, 0, "condition"))
+    a, b = fxgraph.arg(mask, 1, "input"), fxgraph.arg(mask, 2, "other")
+    cond = interp._bool(fxgraph.arg(mask, 0, "condition"))
     if a == 0 and b == -math.inf:
         return cond
     if a == -math.inf and b == 0:
@@ -941,7 +943,7 @@ def _read_atom(atom: Bool, spec: dict, q_axis: int, kv_axis: int, b_axis: int | 
     if kind == "pos" and op == "eq" and d.const == 0:  # the same document (segment, sequence id) as the query
         _put(spec, "doc", node)
         return
-    if kind == "pos" and G.dtype(node) == torch.bool:
+    if kind == "pos" and fxgraph.dtype(node) == torch.bool:
         raise NotIndexArithmetic(f"a comparison {op} of boolean per-token {node.name} between query and key")
     if kind == "pos":
         _put(spec, "pos", node)
@@ -976,7 +978,7 @@ def _read_chunk(atom: Bool, spec: dict, q_axis: int, kv_axis: int, b_axis: int |
                 raise NotIndexArithmetic(f"chunks of {coef} times the index along axis {base.axis}")
         elif isinstance(base, (Row, Tok)) and b_axis is not None and base.axis == b_axis:
             # a tensor laid along the batch axis is per-row, however it was read (a [1] one at B = N = 1: a Tok)
-            if isinstance(base, Tok) and (base.batch_axis is not None or G.example_value(base.node).dim() != 1):
+            if isinstance(base, Tok) and (base.batch_axis is not None or fxgraph.example_value(base.node).dim() != 1):
                 raise NotIndexArithmetic(f"chunks offset by {_describe_terms({base: coef})}, not a per-row tensor")
             rows.append((base.node, coef))
         else:

@@ -48,18 +48,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import graph as G
-from tilecompile import reporting as R
+from tilecompile import graph as fxgraph
+from tilecompile import reporting
 from tilecompile.pass_api import VOCAB_GATHER, PassContext, PassResult, snapshot_graph
-from tilecompile.passes.lm_head import algebra as A
-from tilecompile.passes.lm_head import library_kernels as LK
-from tilecompile.passes.lm_head import loss_aware as LA
-from tilecompile.passes.lm_head import rewrite as RW
+from tilecompile.passes.lm_head import algebra, library_kernels, loss_aware, rewrite
 
 # tests import these from the pass: the loss-aware op's backend choice and its checkpoint policy
 from tilecompile.passes.lm_head.rewrite import _grad_backend, _saves_loss_aware_op  # noqa: F401
 
-NAME = RW.NAME
+NAME = rewrite.NAME
 
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the fused op takes for h and W
 
@@ -72,27 +69,27 @@ _ADVICE = (
 # ------------------------------------------------------------------------------------------------------ find
 
 
-def find(gm: fx.GraphModule) -> list[A.Region]:
+def find(gm: fx.GraphModule) -> list[algebra.Region]:
     """Every candidate: a linear from which a softmax, logsumexp or cross-entropy is reachable without another
     linear (or matmul) in between, with its analysed region. A candidate the algebra does not follow to that op has
     the reason in ``rejected``."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = []
     for node in gm.graph.nodes:
-        lin, weight_cast = G.as_linear(node) or _gathered_linear(node), None
+        lin, weight_cast = fxgraph.as_linear(node) or _gathered_linear(node), None
         if lin is None:
             lin, weight_cast = _cast_linear(node)
         if lin is None:
             unread = _unread_matmul(node)
             if unread is not None and _softmax_reached(node) is not None:
-                regions.append(A.Region(unread[0], rejected=unread[1]))
+                regions.append(algebra.Region(unread[0], rejected=unread[1]))
             continue
-        if len(G.shape(lin.weight) or ()) != 2 or G.hint(G.shape(lin.weight)[0]) is None:
+        if len(fxgraph.shape(lin.weight) or ()) != 2 or fxgraph.hint(fxgraph.shape(lin.weight)[0]) is None:
             continue
         target = _softmax_reached(lin.node)
         if target is None:
             continue  # a plain linear (an MLP's, a projection's): not a candidate
-        r = A.Analysis(gm, lin, position, weight_cast).run()
+        r = algebra.Analysis(gm, lin, position, weight_cast).run()
         if not r.softmax_family:
             r.rejected = r.rejected or _not_followed(r, target, position)
         regions.append(r)
@@ -114,96 +111,99 @@ def _forward(start: fx.Node, stop: Any) -> Any:
         yield node
         if stop(node) or node.op == "output" or isinstance(node.target, torch._ops.HigherOrderOperator):
             continue
-        if G.as_linear(node) is not None or G.op(node) in _MATMULS or node.target is operator.matmul:
+        if fxgraph.as_linear(node) is not None or fxgraph.op(node) in _MATMULS or node.target is operator.matmul:
             continue
         todo += list(node.users)
 
 
 def _softmax_reached(start: fx.Node) -> fx.Node | None:
     """The first (in graph order) softmax-family node reachable from ``start``, or None."""
-    reached = [n for n in _forward(start, lambda n: G.op(n) in _SOFTMAX_FAMILY) if G.op(n) in _SOFTMAX_FAMILY]
+    reached = [
+        n for n in _forward(start, lambda n: fxgraph.op(n) in _SOFTMAX_FAMILY) if fxgraph.op(n) in _SOFTMAX_FAMILY
+    ]
     order = {n: i for i, n in enumerate(start.graph.nodes)} if len(reached) > 1 else {}
     return min(reached, key=lambda n: order.get(n, 0)) if reached else None
 
 
-def _not_followed(r: A.Region, target: fx.Node, position: dict[fx.Node, int]) -> str:
+def _not_followed(r: algebra.Region, target: fx.Node, position: dict[fx.Node, int]) -> str:
     """Why a candidate has no region: the first node between the logits and ``target`` the algebra did not read."""
     inside = set(r.values)
     outside = {u for n in inside for u in n.users if u not in inside}
     on_path = [u for u in outside if u is target or any(n is target for n in _forward(u, lambda n: n is target))]
     first = min(on_path, key=lambda u: position.get(u, 0)) if on_path else target
     return (
-        f"the logits reach {G.op(target)} {target.name} through {G.op(first) or first.op} {first.name}, which is not "
+        f"the logits reach {fxgraph.op(target)} {target.name} through {fxgraph.op(first) or first.op} {first.name}, "
+        "which is not "
         "log-prob / entropy / cross-entropy math the pass reads (a temperature, a view, a slice of rows, ...)"
     )
 
 
-def _cast_linear(node: fx.Node) -> tuple[G.Linear | None, torch.dtype | None]:
+def _cast_linear(node: fx.Node) -> tuple[fxgraph.Linear | None, torch.dtype | None]:
     """``torch.matmul(h.float(), W.transpose(0, 1).float())`` (verl's spelling): a linear whose weight operand is
     the weight transposed and cast, in any order, to the product's dtype; (the linear, that dtype) or (None, None).
     The rewrite casts the weight as the graph did."""
-    if G.op(node) != "matmul" or len(node.args) != 2 or node.kwargs or len(G.shape(node.args[0]) or ()) < 2:
+    if fxgraph.op(node) != "matmul" or len(node.args) != 2 or node.kwargs or len(fxgraph.shape(node.args[0]) or ()) < 2:
         return None, None
     cur, casts, transposes = node.args[1], set(), 0
     while isinstance(cur, fx.Node):
-        if (to := G.cast_target(cur)) is not None:
+        if (to := fxgraph.cast_target(cur)) is not None:
             casts.add(to)
             cur = cur.args[0]
-        elif (src := G.transposed_of(cur)) is not None:
+        elif (src := fxgraph.transposed_of(cur)) is not None:
             transposes += 1
             cur = src
         else:
             break
-    if transposes != 1 or casts != {G.dtype(node)} or G.graph_input(cur) is not cur:
+    if transposes != 1 or casts != {fxgraph.dtype(node)} or fxgraph.graph_input(cur) is not cur:
         return None, None
-    if G.dtype(cur) not in A.FLOAT_DTYPES:
+    if fxgraph.dtype(cur) not in algebra.FLOAT_DTYPES:
         return None, None
-    return G.Linear(node, node.args[0], cur, None), G.dtype(node)
+    return fxgraph.Linear(node, node.args[0], cur, None), fxgraph.dtype(node)
 
 
-def _unread_matmul(node: fx.Node) -> tuple[G.Linear, str] | None:
+def _unread_matmul(node: fx.Node) -> tuple[fxgraph.Linear, str] | None:
     """A product with a 2-D graph input (a weight) whose output's last dim is one of that weight's sizes, in a form
     the pass does not read as ``h·Wᵀ``: (a stand-in linear for the report, the reason), else None. It is reported
     when it reaches a softmax, so that no lm_head is left without a word."""
-    name = G.op(node)
+    name = fxgraph.op(node)
     if node.op not in ("call_function", "call_method"):
         return None
     if name not in _MATMULS and node.target is not operator.matmul and name != "linear":
         return None
-    width = G.hint((G.shape(node) or (None,))[-1])
+    width = fxgraph.hint((fxgraph.shape(node) or (None,))[-1])
     for operand in node.all_input_nodes:
         cur = operand
-        while isinstance(cur, fx.Node) and (G.cast_target(cur) is not None or G.is_view_like(cur)):
+        while isinstance(cur, fx.Node) and (fxgraph.cast_target(cur) is not None or fxgraph.is_view_like(cur)):
             cur = cur.args[0]
-        src = G.graph_input(cur)
-        shape = G.shape(src) if src is not None else None
-        if shape is None or len(shape) != 2 or width is None or width not in [G.hint(s) for s in shape]:
+        src = fxgraph.graph_input(cur)
+        shape = fxgraph.shape(src) if src is not None else None
+        if shape is None or len(shape) != 2 or width is None or width not in [fxgraph.hint(s) for s in shape]:
             continue
         lhs = next((a for a in node.all_input_nodes if a is not operand), operand)
         reason = (
             f"{name} {node.name} multiplies by the weight {src.name} {tuple(shape)} in a form the pass does not read "
             "as an lm_head h·Wᵀ with W [V, D] (F.linear, h @ W.t(), torch.matmul(h, W.transpose(0, 1)), with casts)"
         )
-        return G.Linear(node, lhs, src, None), reason
+        return fxgraph.Linear(node, lhs, src, None), reason
     return None
 
 
-def _gathered_linear(node: fx.Node) -> G.Linear | None:
+def _gathered_linear(node: fx.Node) -> fxgraph.Linear | None:
     """The logits of a vocab-parallel lm_head, as ``passes/tensor_parallel.py`` leaves them: all-gathered along the
     vocabulary right after the local linear. Seen as one linear of the whole vocabulary; the rewrite calls the
     vocab-parallel op on the local weight and drops the gather."""
     if VOCAB_GATHER not in node.meta or not isinstance(node.args[0], fx.Node):
         return None
-    lin = G.as_linear(node.args[0])
+    lin = fxgraph.as_linear(node.args[0])
     if lin is None or len(lin.node.users) != 1:
         return None
-    return G.Linear(node, lin.input, lin.weight, lin.bias)
+    return fxgraph.Linear(node, lin.input, lin.weight, lin.bias)
 
 
 # ----------------------------------------------------------------------------------------------------- check
 
 
-def check(r: A.Region) -> tuple[list[fx.Node], str | None]:
+def check(r: algebra.Region) -> tuple[list[fx.Node], str | None]:
     """(the region's nodes whose values are used outside it, None), or ([], the reason it cannot be rewritten)."""
     for reason in (r.rejected, _check_linear(r)):
         if reason:
@@ -211,29 +211,29 @@ def check(r: A.Region) -> tuple[list[fx.Node], str | None]:
     escapes, reason = _escapes(r)
     if reason:
         return [], reason
-    if not any(not isinstance(r.values[n], A.Size) for n in escapes):
+    if not any(not isinstance(r.values[n], algebra.Size) for n in escapes):
         return [], "nothing computed from the logits is used"
     return escapes, None
 
 
-def _check_linear(r: A.Region) -> str | None:
+def _check_linear(r: algebra.Region) -> str | None:
     lin = r.linear
     if lin.bias is not None and r.vocab_parallel is not None:
         return f"the vocab-parallel linear has a bias ({lin.bias.name}); the vocab-parallel op has none"
-    if G.graph_input(lin.weight) is None:
+    if fxgraph.graph_input(lin.weight) is None:
         return f"its weight {lin.weight.name} is computed in the graph, not a graph input (parameter)"
-    hd, wd, od = G.dtype(lin.input), G.dtype(lin.weight), G.dtype(lin.node)
+    hd, wd, od = fxgraph.dtype(lin.input), fxgraph.dtype(lin.weight), fxgraph.dtype(lin.node)
     wd = r.weight_cast or wd  # the weight cast to the product's dtype in the graph: the rewrite casts it too
     if od not in _OP_DTYPES:
         return f"logits dtype {od} is not supported by the fused op (float16, bfloat16, float32)"
     if hd != od or wd != od:
         # autocast: the linear casts h and W to the logits' dtype; the rewrite casts them the same way
-        if not (hd == wd and hd in A.FLOAT_DTYPES and od in (torch.float16, torch.bfloat16)):
+        if not (hd == wd and hd in algebra.FLOAT_DTYPES and od in (torch.float16, torch.bfloat16)):
             return f"h/weight/logits dtypes differ ({hd}, {wd}, {od}) in a way autocast does not explain"
     return None
 
 
-def _escapes(r: A.Region) -> tuple[list[fx.Node], str | None]:
+def _escapes(r: algebra.Region) -> tuple[list[fx.Node], str | None]:
     """Region nodes whose value is used outside the region (to rebuild), or the reason the region cannot be."""
     out: list[fx.Node] = []
     inside = set(r.values)
@@ -243,15 +243,15 @@ def _escapes(r: A.Region) -> tuple[list[fx.Node], str | None]:
         if not outside:
             continue
         user = outside[0]
-        if isinstance(v, A.Size):
+        if isinstance(v, algebra.Size):
             if v.item is None:
                 return out, f"the logits' size {node.name} is {_describe_use(user)}, not only read for one size"
             out.append(node)
             continue
-        if isinstance(v, A.Write):
+        if isinstance(v, algebra.Write):
             return out, f"{node.name}, a write into buffer {v.buffer.name}, is also {_describe_use(user)}"
-        if isinstance(v, A.Chain | A.Vocab | A.Parts):
-            what = f"{_vocab_name(v)} {node.name} of the logits" if isinstance(v, A.Vocab) else "the logits"
+        if isinstance(v, algebra.Chain | algebra.Vocab | algebra.Parts):
+            what = f"{_vocab_name(v)} {node.name} of the logits" if isinstance(v, algebra.Vocab) else "the logits"
             if isinstance(user.target, torch._ops.HigherOrderOperator):
                 return out, (
                     f"{what} are passed into {user.target.name()} {user.name} (e.g. torch.utils.checkpoint around "
@@ -259,9 +259,9 @@ def _escapes(r: A.Region) -> tuple[list[fx.Node], str | None]:
                     "checkpoint, or checkpoint the lm_head together with them"
                 )
             return out, f"{what} are also {_describe_use(user)}; the fused op never builds the logits: {_ADVICE}"
-        if any(G.is_inplace(u) and u.args and u.args[0] is node for u in outside):
+        if any(fxgraph.is_inplace(u) and u.args and u.args[0] is node for u in outside):
             return out, f"{node.name} is mutated in place outside the matched region"
-        if isinstance(v, A.Row):
+        if isinstance(v, algebra.Row):
             reason = _row_reason(node, v)
             if reason:
                 return out, reason
@@ -269,27 +269,29 @@ def _escapes(r: A.Region) -> tuple[list[fx.Node], str | None]:
     return out, None
 
 
-def _vocab_name(v: A.Vocab) -> str:
+def _vocab_name(v: algebra.Vocab) -> str:
     if v.soft:
-        return "the softmax" if v.form == A.SOFTMAX else "a softmax-weighted value"
-    return "the log-softmax" if v.form == A.LOGP else "a vocabulary-sized value"
+        return "the softmax" if v.form == algebra.SOFTMAX else "a softmax-weighted value"
+    return "the log-softmax" if v.form == algebra.LOGP else "a vocabulary-sized value"
 
 
 def _describe_use(user: fx.Node) -> str:
     """ "returned from the graph" or "used by argmax argmax_1", looking through views, casts and detach."""
     via = []
-    while user.op != "output" and (G.is_view_like(user) or G.op(user) == "detach" or G.cast_target(user)):
+    while user.op != "output" and (
+        fxgraph.is_view_like(user) or fxgraph.op(user) == "detach" or fxgraph.cast_target(user)
+    ):
         if len(user.users) != 1:
             break
-        via.append(G.op(user) or str(user.target))
+        via.append(fxgraph.op(user) or str(user.target))
         user = next(iter(user.users))
     through = f" (through {', '.join(via)})" if via else ""
     if user.op == "output":
         return f"returned from the graph{through}"
-    return f"used by {G.op(user) or user.op} {user.name}{through}"
+    return f"used by {fxgraph.op(user) or user.op} {user.name}{through}"
 
 
-def _row_reason(node: fx.Node, v: A.Row) -> str | None:
+def _row_reason(node: fx.Node, v: algebra.Row) -> str | None:
     t = dict(v.terms)
     # lse on its own (a z-loss term, lse returned) is an output of the op; only a constant is no use
     if not any(k != "one" for k in t):
@@ -306,22 +308,22 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     Known library kernels of the same math (TRL's Triton log-prob / entropy, ``passes/lm_head/library_kernels.py``) are
     first read as their torch math; that expansion is kept only if every one of them is fused, otherwise the graph
     goes back to the kernels (better than the plain math) and the pass runs again without expanding them."""
-    kernels = LK.find(gm)
+    kernels = library_kernels.find(gm)
     if not kernels:
         return _run(gm, ctx)
     saved, meta = snapshot_graph(gm.graph), dict(gm.meta)
     wide = []
     for call in kernels:
-        fake_mode = getattr(G.example_value(call.logits), "fake_mode", None)
+        fake_mode = getattr(fxgraph.example_value(call.logits), "fake_mode", None)
         if fake_mode is None:
             break
-        wide.append(LK.expand(call, G.NodeBuilder(gm.graph, call.node, fake_mode)))
-    G.eliminate_dead_code(gm.graph)  # what only the launches read (their strides, under dynamic shapes) is no use
+        wide.append(library_kernels.expand(call, fxgraph.NodeBuilder(gm.graph, call.node, fake_mode)))
+    fxgraph.eliminate_dead_code(gm.graph)  # what only the launches read (their strides, under dynamic shapes) is no use
     result = _run(gm, ctx) if len(wide) == len(kernels) else None
     live = set(gm.graph.nodes)
     if result is not None and not any(n in live for nodes in wide for n in nodes):
-        for rewrite in result.rewrites:
-            rewrite.detail += f"; read from {LK.summary(kernels)} (graph-wide)"
+        for done in result.rewrites:
+            done.detail += f"; read from {library_kernels.summary(kernels)} (graph-wide)"
         return result
     why = "; ".join(dict.fromkeys(s.reason for s in result.skipped)) if result else "no fake tensors on its logits"
     why = why or "its logits' linear is not an lm_head candidate"
@@ -330,7 +332,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     result = _run(gm, ctx)
     for call in kernels:
         reason = f"left as is: the lm_head pass did not fuse the math it computes ({why})"
-        result.skipped.append(R.Skip(NAME, LK.describe(call), G.module_path(call.node), reason))
+        result.skipped.append(
+            reporting.Skip(NAME, library_kernels.describe(call), fxgraph.module_path(call.node), reason)
+        )
     return result
 
 
@@ -339,10 +343,10 @@ def _run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     regions = find(gm)
     if not regions:
         return result
-    op, unavailable = RW.fused_op()
-    tainted = LA.descendants([r.linear.node for r in regions])
+    op, unavailable = rewrite.fused_op()
+    tainted = loss_aware.descendants([r.linear.node for r in regions])
     for r in regions:
-        where = G.module_path(r.linear.node)
+        where = fxgraph.module_path(r.linear.node)
         candidate = f"linear {r.linear.node.name} -> log-prob/entropy/CE"
         result.consider(r.linear.node, candidate)
         escapes, reason = check(r)
@@ -350,9 +354,9 @@ def _run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if reason is None:
             try:
                 in_body = ctx.graph_name != "<root>"
-                result.rewrote(r.linear.node, RW.rewrite(gm, r, escapes, ctx.settings, op, tainted, in_body))
+                result.rewrote(r.linear.node, rewrite.rewrite(gm, r, escapes, ctx.settings, op, tainted, in_body))
                 continue
-            except A.Reject as exc:  # RW.rewrite removed what it had inserted (hoisting only moved pure nodes)
+            except algebra.Reject as exc:  # rewrite.plan rejected it: the graph is untouched
                 reason = str(exc)
-        result.skip(r.linear.node, R.Skip(NAME, candidate, where, reason))
+        result.skip(r.linear.node, reporting.Skip(NAME, candidate, where, reason))
     return result

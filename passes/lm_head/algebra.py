@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import graph as G
+from tilecompile import graph as fxgraph
 from tilecompile.pass_api import VOCAB_GATHER
 
 # meta key the tensor_parallel pass sets on the gather of a vocab-parallel lm_head's logits (its ShardSpec)
@@ -122,7 +122,7 @@ class Write:
 @dataclasses.dataclass(frozen=True)
 class Size:
     """``z.size()`` of a chain node, or one of its sizes (``item``) that is the same int in every call
-    (``G.static_size``: a dim Dynamo pinned by a loop over it, ``for i in range(z.shape[0])``): the rewrite puts
+    (``fxgraph.static_size``: a dim Dynamo pinned by a loop over it, ``for i in range(z.shape[0])``): the rewrite puts
     that int where it is used."""
 
     item: int | None = None
@@ -157,7 +157,7 @@ class Reject(Exception):
 
 @dataclasses.dataclass
 class Region:
-    linear: G.Linear
+    linear: fxgraph.Linear
     weight_cast: torch.dtype | None = None  # the dtype the graph casts the weight to (``W.t().float()``), if any
     values: dict[fx.Node, Any] = dataclasses.field(default_factory=dict)
     order: list[fx.Node] = dataclasses.field(default_factory=list)  # region nodes in graph order
@@ -174,7 +174,7 @@ class Region:
     @property
     def vocab(self) -> int:
         # the logits' width: the weight's rows, or all ranks' rows for a vocab-parallel lm_head's gathered logits
-        return int(G.hint(G.shape(self.linear.node)[-1]))
+        return int(fxgraph.hint(fxgraph.shape(self.linear.node)[-1]))
 
     @property
     def vocab_parallel(self) -> Any:
@@ -185,11 +185,11 @@ class Region:
 def _dim_is_last(dim: Any, ndim: int) -> bool:
     if isinstance(dim, list | tuple):
         return len(dim) == 1 and _dim_is_last(dim[0], ndim)
-    return G.normalize_dim(dim, ndim) == ndim - 1
+    return fxgraph.normalize_dim(dim, ndim) == ndim - 1
 
 
 def ndim_of(node: Any) -> int:
-    return len(G.shape(node) or ())
+    return len(fxgraph.shape(node) or ())
 
 
 def _scalar(x: Any) -> float | None:
@@ -226,14 +226,18 @@ class Analysis:
     """Walks forward from one linear, giving each node it understands an abstract value."""
 
     def __init__(
-        self, gm: fx.GraphModule, linear: G.Linear, position: dict[fx.Node, int], weight_cast: torch.dtype | None = None
+        self,
+        gm: fx.GraphModule,
+        linear: fxgraph.Linear,
+        position: dict[fx.Node, int],
+        weight_cast: torch.dtype | None = None,
     ) -> None:
         self.gm = gm
         self.r = Region(linear, weight_cast)
         self.position = position
         self.bases: dict[tuple, fx.Node] = {}
         # preallocated buffers written with parts of region values: buffer -> [(rows, value, buffer's user, node)]
-        self.buffers: dict[fx.Node, list[tuple[G.DimSlice | None, Any, fx.Node, fx.Node]]] = {}
+        self.buffers: dict[fx.Node, list[tuple[fxgraph.DimSlice | None, Any, fx.Node, fx.Node]]] = {}
         self.wake: list[fx.Node] = []  # nodes to visit that are not users of the node just classified
 
     # --- entry
@@ -241,7 +245,7 @@ class Analysis:
         r = self.r
         lin = r.linear.node
         bias = r.linear.bias
-        if bias is not None and (len(G.shape(bias) or ()) != 1 or G.dtype(bias) not in FLOAT_DTYPES[:3]):
+        if bias is not None and (len(fxgraph.shape(bias) or ()) != 1 or fxgraph.dtype(bias) not in FLOAT_DTYPES[:3]):
             r.rejected = f"the linear's bias {bias.name} is not a [V] float16/bfloat16/float32 vector"
         r.values[lin] = Chain((), bias=bias)
         r.order.append(lin)
@@ -274,8 +278,8 @@ class Analysis:
     # --- classification of one node whose inputs include region values
     def classify(self, node: fx.Node) -> Any:
         r = self.r
-        name = G.op(node)
-        x = G.arg(node, 0, "input")
+        name = fxgraph.op(node)
+        x = fxgraph.arg(node, 0, "input")
         for a in node.all_input_nodes:
             if a in self.buffers and a not in r.values and not _is_write(node, a):
                 if _writes_through(node):
@@ -286,12 +290,12 @@ class Analysis:
         if node.op == "call_function" and node.target is operator.setitem and len(node.args) == 3:
             return self.write(node, node.args[0], node.args[2], node.args[1])
         if name == "copy_" and len(node.args) == 2 and not node.kwargs and isinstance(x, fx.Node):
-            dest = G.as_dim_slice(x)
+            dest = fxgraph.as_dim_slice(x)
             if dest is not None and _writes_through(x):
                 return self.write(node, dest.source, node.args[1], dest)
             return self.write(node, x, node.args[1], None)
         if isinstance(xv, Size) and xv.item is None and name == "getitem" and isinstance(node.args[1], int):
-            item = G.static_size(G.example_value(node))
+            item = fxgraph.static_size(fxgraph.example_value(node))
             return Size(item) if item is not None else None
         if isinstance(xv, Parts) and name == "getitem":
             pc = r.values[xv.parent]
@@ -316,7 +320,7 @@ class Analysis:
             if out is not None:
                 return out
         if name in ("log_softmax", "softmax") and xv is not None:
-            dim = G.arg(node, 1, "dim")
+            dim = fxgraph.arg(node, 1, "dim")
             if not _dim_is_last(dim, ndim_of(x)) or not self._float_dtype_arg(node):
                 return None
             form = self.vocab_form(x)
@@ -327,7 +331,7 @@ class Analysis:
             r.softmax_family = True
             return Vocab(form[0], LOGP, False) if name == "log_softmax" else Vocab(form[0], _form(one=1), True)
         if name == "logsumexp" and xv is not None:
-            dim, keepdim = G.arg(node, 1, "dim"), G.arg(node, 2, "keepdim", False)
+            dim, keepdim = fxgraph.arg(node, 1, "dim"), fxgraph.arg(node, 2, "keepdim", False)
             form = self.vocab_form(x)
             if form is None or form[1] != _Z or form[2] or not _dim_is_last(dim, ndim_of(x)):
                 return None
@@ -349,7 +353,7 @@ class Analysis:
             out = self.row_dims(node, name, x, xv)
             if out is not None:
                 return out
-        if name in _RESHAPES and isinstance(xv, Row) and is_static(G.shape(node)) and is_static(G.shape(x)):
+        if name in _RESHAPES and isinstance(xv, Row) and is_static(fxgraph.shape(node)) and is_static(fxgraph.shape(x)):
             # per-row values of a reshaped view of the same rows (materialised with a static reshape)
             return Row(xv.base, xv.terms, False)
         if name in ("view", "reshape", "unflatten") and isinstance(xv, Row):
@@ -361,8 +365,8 @@ class Analysis:
         if (
             name in _RESHAPES
             and isinstance(xv, Vocab)
-            and is_static(G.shape(node))
-            and is_static(G.shape(x))
+            and is_static(fxgraph.shape(node))
+            and is_static(fxgraph.shape(x))
             and self.leading_only(node, name, x)
         ):
             # a reshaped view of the same rows: log_softmax(z).reshape(-1, V) (outputs are reshaped back)
@@ -379,7 +383,7 @@ class Analysis:
     def joined(self, node: fx.Node, name: str) -> Row | Vocab | None:
         """``torch.cat`` / ``torch.stack`` of per-part values: ``cat([f(z[0:5]), f(z[5:9])])`` is ``f(z)``."""
         r = self.r
-        items, dim = G.arg(node, 0, "tensors"), G.arg(node, 1, "dim", 0)
+        items, dim = fxgraph.arg(node, 0, "tensors"), fxgraph.arg(node, 1, "dim", 0)
         if not isinstance(items, list | tuple) or not items or not all(isinstance(i, fx.Node) for i in items):
             return None
         values = [r.values.get(i) for i in items]
@@ -387,7 +391,7 @@ class Analysis:
             return None
         if name == "cat" and len(items) == 1:
             return values[0]  # a copy
-        c = G.normalize_dim(dim, ndim_of(node))
+        c = fxgraph.normalize_dim(dim, ndim_of(node))
         if c is None:
             return None
         where, offset = [], 0
@@ -395,7 +399,7 @@ class Analysis:
             if name == "stack":
                 where.append((c, k, k + 1, False))
                 continue
-            size = G.static_size(G.shape(item)[c]) if c < ndim_of(item) else None
+            size = fxgraph.static_size(fxgraph.shape(item)[c]) if c < ndim_of(item) else None
             if not isinstance(size, int):
                 return None
             where.append((c, offset, offset + size, True))
@@ -407,26 +411,27 @@ class Analysis:
         buffer) of a region value into a freshly allocated buffer; it becomes a region value when first read."""
         r = self.r
         v = r.values.get(value) if isinstance(value, fx.Node) else None
-        if not isinstance(v, Row | Vocab) or not isinstance(buffer, fx.Node) or G.op(buffer) not in _ALLOCS:
+        if not isinstance(v, Row | Vocab) or not isinstance(buffer, fx.Node) or fxgraph.op(buffer) not in _ALLOCS:
             return None
         if node.users:
             return None
-        if isinstance(index, G.DimSlice):  # a copy_ through the slice index.node
+        if isinstance(index, fxgraph.DimSlice):  # a copy_ through the slice index.node
             rows, user = index, index.node
         elif node.op == "call_function" and node.target is operator.setitem:
-            rows, user = G.index_slice(node, buffer, index), node
+            rows, user = fxgraph.index_slice(node, buffer, index), node
             if rows is None:
                 return None
         else:
             rows, user = None, node
-        want = list(G.shape(buffer) or ())
+        want = list(fxgraph.shape(buffer) or ())
         if rows is not None:
             want[rows.dim : rows.dim + 1] = [rows.stop - rows.start] if rows.keep else []
-        if not _equal_sizes(G.shape(value), tuple(want)):
+        if not _equal_sizes(fxgraph.shape(value), tuple(want)):
             return None  # a broadcasting write: not one value per row
-        if G.dtype(buffer) != G.dtype(value):
+        if fxgraph.dtype(buffer) != fxgraph.dtype(value):
             raise Reject(
-                f"{node.name} writes {G.dtype(value)} values into buffer {buffer.name} of {G.dtype(buffer)}, which "
+                f"{node.name} writes {fxgraph.dtype(value)} values into buffer {buffer.name} of "
+                f"{fxgraph.dtype(buffer)}, which "
                 "rounds them (the fused op's values would not be rounded)"
             )
         if user is not node:  # the slice the copy_ writes through goes with it
@@ -450,11 +455,11 @@ class Analysis:
             elif self.position[u] < at:
                 what = "written with values not computed from these logits" if _is_write(u, buffer) else "read"
                 raise Reject(f"buffer {buffer.name} is {what} by {u.name} before all its rows are written")
-            elif _is_write(u, buffer) or (G.is_inplace(u) and u.args[0] is buffer):
+            elif _is_write(u, buffer) or (fxgraph.is_inplace(u) and u.args[0] is buffer):
                 raise Reject(f"buffer {buffer.name} is read by {reader.name} before {u.name} writes into it")
         first = writes[0][0]
         if len(writes) == 1 and (first is None or (first.keep, first.start, first.stop) == (True, 0, _extent(first))):
-            value, rows = writes[0][1], G.shape(writes[0][3])  # the whole buffer at once
+            value, rows = writes[0][1], fxgraph.shape(writes[0][3])  # the whole buffer at once
             r.joins.append("buffer")
         else:
             if any(rows is None for rows, _, _, _ in writes):
@@ -463,25 +468,27 @@ class Analysis:
             value = self.join(buffer, "buffer", items)
             if value is None:
                 raise Reject(f"buffer {buffer.name} is written with values that are not parts of the logits' rows")
-            lead = G.shape(self.part(writes[0][1]).source)
+            lead = fxgraph.shape(self.part(writes[0][1]).source)
             rows = lead if isinstance(value, Vocab) else (*lead[:-1], *((1,) if value.keepdim else ()))
-        if not _equal_sizes(G.shape(buffer), tuple(rows)):
-            raise Reject(f"buffer {buffer.name} of shape {G.shape(buffer)} is not the shape {tuple(rows)} of its rows")
+        if not _equal_sizes(fxgraph.shape(buffer), tuple(rows)):
+            raise Reject(
+                f"buffer {buffer.name} of shape {fxgraph.shape(buffer)} is not the shape {tuple(rows)} of its rows"
+            )
         r.values[buffer] = value
         first = min((r.order.index(user) for _, _, user, _ in writes), default=len(r.order))
         r.order.insert(first, buffer)
 
-    def part(self, v: Any) -> G.DimSlice | None:
+    def part(self, v: Any) -> fxgraph.DimSlice | None:
         """The rows of a chain node (``cut.source``) that the Row or Vocab value ``v`` is computed from: a slice
         along a leading dim, however spelled (``z[i]``, ``z[a:b]``, ``z.split(k)[i]``, ``narrow``, ...)."""
         r = self.r
         chain = r.chain(v.base) if isinstance(v, Row | Vocab) else None
         core = _core(chain.replay) if chain is not None else ()
-        cut = G.as_dim_slice(core[-1]) if core else None
+        cut = fxgraph.as_dim_slice(core[-1]) if core else None
         parent = r.values.get(cut.source) if cut is not None else None
         if not isinstance(parent, Chain) or cut.dim >= ndim_of(cut.source) - 1:
             return None
-        split = G.op(core[-1]) == "getitem" and G.op(core[-1].args[0]) in G.SPLIT_OPS
+        split = fxgraph.op(core[-1]) == "getitem" and fxgraph.op(core[-1].args[0]) in fxgraph.SPLIT_OPS
         if core[: len(core) - 1 - split] != parent.replay:
             return None
         if chain.transform != parent.transform:
@@ -501,7 +508,7 @@ class Analysis:
             raise Reject(f"{where} joins rows of different views of the logits")
         if len({(c.dim, c.keep) for c in cuts}) != 1:
             raise Reject(f"{where} joins parts of {parent.name} cut along different dims")
-        extent = G.static_size(G.shape(parent)[cuts[0].dim])
+        extent = fxgraph.static_size(fxgraph.shape(parent)[cuts[0].dim])
         covered = 0
         for start, stop in sorted((c.start, c.stop) for c in cuts):
             if start < covered:
@@ -530,21 +537,21 @@ class Analysis:
         self.r.joins.append(what)
         return merged[0]
 
-    def whole(self, v: Row | Vocab, cut: G.DimSlice) -> Row | Vocab | None:
+    def whole(self, v: Row | Vocab, cut: fxgraph.DimSlice) -> Row | Vocab | None:
         """``v`` (computed from the rows ``cut`` of a chain node) as the value over all the rows: the same
         coefficients, the labels of its log-prob terms replaced by the labels tensor they are the same rows of."""
         base = self.base_of(cut.source)
         if isinstance(v, Vocab):
             return Vocab(base, v.form, v.soft)
-        lead = G.shape(cut.source)[:-1]
+        lead = fxgraph.shape(cut.source)[:-1]
         terms = []
         for k, coef in v.terms:
             if isinstance(k, tuple):
-                lc = G.as_dim_slice(k[1])
+                lc = fxgraph.as_dim_slice(k[1])
                 if lc is None or (lc.dim, lc.start, lc.stop, lc.keep) != (cut.dim, cut.start, cut.stop, cut.keep):
                     return None
                 labels = _canonical_labels(_labels_of(lc.source) or lc.source)
-                if not _equal_sizes(G.shape(labels), lead):
+                if not _equal_sizes(fxgraph.shape(labels), lead):
                     return None
                 k = (k[0], labels, *k[2:])
             terms.append((k, coef))
@@ -558,7 +565,7 @@ class Analysis:
         """One representative per distinct set of logits rows: ``z.float()`` twice, or ``z`` and ``z.view(-1, V)``
         (trailing reshapes keep the rows in order; static shapes only) share one base, so one fused call."""
         v: Chain = self.r.values[node]
-        static = is_static(G.shape(node))
+        static = is_static(fxgraph.shape(node))
         replay = _core(v.replay) if static else v.replay
         return self.bases.setdefault((_rows_key(replay), v.transform, static), node)
 
@@ -580,7 +587,7 @@ class Analysis:
 
     # --- the logits chain: casts, temperature, views, leading-dim slices
     def chain_step(self, node: fx.Node, name: str | None, x: fx.Node, xv: Chain) -> Any:
-        target = G.cast_target(node)
+        target = fxgraph.cast_target(node)
         if target is not None:
             return xv if target in FLOAT_DTYPES else None
         if name == "contiguous":
@@ -589,11 +596,11 @@ class Analysis:
             return Size()
         if node.target in ("div_", "mul_", "add_", operator.itruediv, operator.imul, operator.iadd):
             return self.inplace_scale(node, x, xv)
-        if name in G.VIEW_OPS or name in ("getitem", "unflatten", "narrow", "select"):
+        if name in fxgraph.VIEW_OPS or name in ("getitem", "unflatten", "narrow", "select"):
             if self.leading_only(node, name, x):
                 return dataclasses.replace(xv, replay=(*xv.replay, node))
-        if name in G.SPLIT_OPS and x is node.args[0]:
-            dim = G.normalize_dim(G.arg(node, 1 if name == "unbind" else 2, "dim", 0), ndim_of(x))
+        if name in fxgraph.SPLIT_OPS and x is node.args[0]:
+            dim = fxgraph.normalize_dim(fxgraph.arg(node, 1 if name == "unbind" else 2, "dim", 0), ndim_of(x))
             if dim is not None and 0 <= dim < ndim_of(x) - 1:
                 return Parts(x)
         return None
@@ -611,7 +618,7 @@ class Analysis:
                 return xv
             return dataclasses.replace(xv, scale=scale)
         if isinstance(other, fx.Node):
-            value = G.example_value(other)
+            value = fxgraph.example_value(other)
             if isinstance(value, torch.Tensor) and value.dim() != 0:
                 # keep following the logits, so that the reason is reported if they reach a softmax
                 self.r.rejected = self.r.rejected or (
@@ -631,16 +638,20 @@ class Analysis:
 
     def biased(self, xv: Chain, bias: fx.Node, node: fx.Node) -> Chain | None:
         """``z + b`` with b a [V] vector: the bias of the product, when nothing but views came between."""
-        if G.shape(bias) is None or len(G.shape(bias)) != 1 or G.hint(G.shape(bias)[0]) != self.r.vocab:
+        if (
+            fxgraph.shape(bias) is None
+            or len(fxgraph.shape(bias)) != 1
+            or fxgraph.hint(fxgraph.shape(bias)[0]) != self.r.vocab
+        ):
             return None
-        if G.dtype(bias) not in FLOAT_DTYPES:
+        if fxgraph.dtype(bias) not in FLOAT_DTYPES:
             return None
         if xv.scale != 1.0 or xv.tensor_scales or xv.softcap or xv.bias is not None:
             raise Reject(
                 f"{node.name} adds {bias.name} to logits that are already scaled, softcapped or biased: only a bias "
                 "of the product itself (h·Wᵀ + b) is fused"
             )
-        if G.dtype(bias) == torch.float64:
+        if fxgraph.dtype(bias) == torch.float64:
             raise Reject(f"the bias {bias.name} is float64 (the fused op takes float16, bfloat16 or float32)")
         return dataclasses.replace(xv, bias=bias)
 
@@ -690,40 +701,43 @@ class Analysis:
     def leading_only(self, node: fx.Node, name: str | None, x: fx.Node) -> bool:
         """``node`` is a view/slice of ``x`` that leaves the last (vocabulary) dim alone."""
         v = self.r.vocab
-        xs, ys = G.shape(x), G.shape(node)
-        if not xs or not ys or G.hint(xs[-1]) != v or G.hint(ys[-1]) != v:
+        xs, ys = fxgraph.shape(x), fxgraph.shape(node)
+        if not xs or not ys or fxgraph.hint(xs[-1]) != v or fxgraph.hint(ys[-1]) != v:
             return False
         nd = len(xs)
         if name in ("view", "reshape"):
             sizes = view_sizes(node)
             return sizes is not None and len(sizes) >= 1
         if name == "flatten":
-            end = G.arg(node, 2, "end_dim", -1)
-            return G.normalize_dim(end, nd) is not None and G.normalize_dim(end, nd) < nd - 1
+            end = fxgraph.arg(node, 2, "end_dim", -1)
+            return fxgraph.normalize_dim(end, nd) is not None and fxgraph.normalize_dim(end, nd) < nd - 1
         if name == "unflatten":
             return (
-                G.normalize_dim(G.arg(node, 1, "dim"), nd) is not None
-                and G.normalize_dim(G.arg(node, 1, "dim"), nd) < nd - 1
+                fxgraph.normalize_dim(fxgraph.arg(node, 1, "dim"), nd) is not None
+                and fxgraph.normalize_dim(fxgraph.arg(node, 1, "dim"), nd) < nd - 1
             )
         if name in ("squeeze", "unsqueeze"):
-            dim = G.arg(node, 1, "dim")
+            dim = fxgraph.arg(node, 1, "dim")
             if dim is None:
-                return name == "squeeze" and all(G.hint(s) not in (None, 1) for s in xs[:-1]) and len(ys) == nd
+                return name == "squeeze" and all(fxgraph.hint(s) not in (None, 1) for s in xs[:-1]) and len(ys) == nd
             nd_ref = nd + 1 if name == "unsqueeze" else nd
-            d = G.normalize_dim(dim, nd_ref)
+            d = fxgraph.normalize_dim(dim, nd_ref)
             return d is not None and d < nd_ref - 1
         if name == "contiguous":
             return True
         if name in ("transpose",):
-            dims = [G.normalize_dim(G.arg(node, 1, "dim0"), nd), G.normalize_dim(G.arg(node, 2, "dim1"), nd)]
+            dims = [
+                fxgraph.normalize_dim(fxgraph.arg(node, 1, "dim0"), nd),
+                fxgraph.normalize_dim(fxgraph.arg(node, 2, "dim1"), nd),
+            ]
             return all(d is not None and d < nd - 1 for d in dims)
         if name == "permute":
-            dims = node.args[1:] if len(node.args) > 2 else G.arg(node, 1, "dims")
-            return bool(dims) and G.normalize_dim(list(dims)[-1], nd) == nd - 1
+            dims = node.args[1:] if len(node.args) > 2 else fxgraph.arg(node, 1, "dims")
+            return bool(dims) and fxgraph.normalize_dim(list(dims)[-1], nd) == nd - 1
         if name == "getitem":
             return _leading_index(node.args[1], nd)
         if name in ("narrow", "select"):
-            cut = G.as_dim_slice(node)
+            cut = fxgraph.as_dim_slice(node)
             return cut is not None and cut.dim < nd - 1
         return False
 
@@ -734,19 +748,19 @@ class Analysis:
         if form is None or form[2]:
             return None
         if name == "gather":
-            dim, index = G.arg(node, 1, "dim"), G.arg(node, 2, "index")
+            dim, index = fxgraph.arg(node, 1, "dim"), fxgraph.arg(node, 2, "index")
         else:
-            index, dim = G.arg(node, 1, "indices"), G.arg(node, 2, "dim")
+            index, dim = fxgraph.arg(node, 1, "indices"), fxgraph.arg(node, 2, "dim")
         if not isinstance(index, fx.Node) or index in r.values or not _dim_is_last(dim, ndim_of(x)):
             return None
-        xs, ishape = G.shape(x), G.shape(index)
-        if not ishape or G.hint(ishape[-1]) != 1 or not _equal_sizes(ishape[:-1], xs[:-1]):
+        xs, ishape = fxgraph.shape(x), fxgraph.shape(index)
+        if not ishape or fxgraph.hint(ishape[-1]) != 1 or not _equal_sizes(ishape[:-1], xs[:-1]):
             raise Reject(
                 f"{node.name} gathers index of shape {ishape} from logits of shape {xs}: only one label per row is "
                 "supported"
             )
-        if G.dtype(index) not in _LABEL_DTYPES:
-            raise Reject(f"{node.name}: label dtype {G.dtype(index)} is not int32/int64")
+        if fxgraph.dtype(index) not in _LABEL_DTYPES:
+            raise Reject(f"{node.name}: label dtype {fxgraph.dtype(index)} is not int32/int64")
         index = _canonical_labels(_labels_of(index) or index)
         a = dict(form[1])
         terms = _combine(_form(lse=a.get("lse", 0), one=a.get("one", 0)), ((("zy", index), a.get("z", 0.0)),))
@@ -758,21 +772,21 @@ class Analysis:
         if form is None or form[2] or form[1] != (_Z if name == "cross_entropy" else LOGP):
             return None
         r.softmax_family = True
-        labels = G.arg(node, 1, "target")
-        weight = G.arg(node, 2, "weight")
-        size_average, reduce = G.arg(node, 3, "size_average"), G.arg(node, 5, "reduce")
-        ignore = G.arg(node, 4, "ignore_index", DEFAULT_IGNORE)
-        reduction = G.arg(node, 6, "reduction", "mean")
-        smoothing = G.arg(node, 7, "label_smoothing", 0.0) if name == "cross_entropy" else 0.0
+        labels = fxgraph.arg(node, 1, "target")
+        weight = fxgraph.arg(node, 2, "weight")
+        size_average, reduce = fxgraph.arg(node, 3, "size_average"), fxgraph.arg(node, 5, "reduce")
+        ignore = fxgraph.arg(node, 4, "ignore_index", DEFAULT_IGNORE)
+        reduction = fxgraph.arg(node, 6, "reduction", "mean")
+        smoothing = fxgraph.arg(node, 7, "label_smoothing", 0.0) if name == "cross_entropy" else 0.0
         where = f"{name} {node.name}"
         if size_average is not None or reduce is not None:
             raise Reject(f"{where} uses the legacy size_average/reduce arguments")
         if weight is not None:
-            ws = G.shape(weight) if isinstance(weight, fx.Node) else None
-            if ws is None or len(ws) != 1 or G.hint(ws[0]) != r.vocab or weight in r.values:
+            ws = fxgraph.shape(weight) if isinstance(weight, fx.Node) else None
+            if ws is None or len(ws) != 1 or fxgraph.hint(ws[0]) != r.vocab or weight in r.values:
                 raise Reject(f"{where} has class weights that are not a [V] tensor")
-            if G.dtype(weight) not in FLOAT_DTYPES:
-                raise Reject(f"{where} has class weights of dtype {G.dtype(weight)}")
+            if fxgraph.dtype(weight) not in FLOAT_DTYPES:
+                raise Reject(f"{where} has class weights of dtype {fxgraph.dtype(weight)}")
         if not isinstance(smoothing, int | float) or isinstance(smoothing, bool) or not 0.0 <= smoothing <= 1.0:
             raise Reject(f"{where} has label_smoothing={smoothing!r}, not a number in [0, 1]")
         if smoothing and weight is not None:
@@ -786,14 +800,16 @@ class Analysis:
             raise Reject(f"{where}: ignore_index={ignore!r} / reduction={reduction!r} are not constants it knows")
         if not isinstance(labels, fx.Node) or labels in r.values:
             return None
-        ldt = G.dtype(labels)
+        ldt = fxgraph.dtype(labels)
         if ldt is not None and ldt.is_floating_point:
             raise Reject(f"{where} has floating-point targets {labels.name} (class probabilities), not labels")
         if ldt not in _LABEL_DTYPES:
             raise Reject(f"{where}: label dtype {ldt} is not int32/int64")
-        xs = G.shape(x)
-        if len(xs or ()) != 2 or not _equal_sizes(G.shape(labels), xs[:-1]):
-            raise Reject(f"{where}: logits of shape {xs} with labels of shape {G.shape(labels)} (needs [N, V] and [N])")
+        xs = fxgraph.shape(x)
+        if len(xs or ()) != 2 or not _equal_sizes(fxgraph.shape(labels), xs[:-1]):
+            raise Reject(
+                f"{where}: logits of shape {xs} with labels of shape {fxgraph.shape(labels)} (needs [N, V] and [N])"
+            )
         labels = _canonical_labels(labels)
         if reduction == "none":
             if weight is not None:
@@ -805,7 +821,7 @@ class Analysis:
     def argmax(self, node: fx.Node, x: fx.Node) -> Argmax | None:
         """The index of the largest logit: the same for every increasing form of z (log-softmax, softmax)."""
         form = self.vocab_form(x)
-        dim, keepdim = G.arg(node, 1, "dim"), G.arg(node, 2, "keepdim", False)
+        dim, keepdim = fxgraph.arg(node, 1, "dim"), fxgraph.arg(node, 2, "keepdim", False)
         if form is None or dim is None or not _dim_is_last(dim, ndim_of(x)):
             return None
         coef = dict(form[1])
@@ -814,8 +830,8 @@ class Analysis:
         return Argmax(form[0], bool(keepdim))
 
     def vocab_sum(self, node: fx.Node, x: fx.Node, xv: Any, mean: bool = False) -> Row | None:
-        dim = G.arg(node, 1, "dim")
-        keepdim = G.arg(node, 2, "keepdim", False)
+        dim = fxgraph.arg(node, 1, "dim")
+        keepdim = fxgraph.arg(node, 2, "keepdim", False)
         if dim is None or not _dim_is_last(dim, ndim_of(x)) or node.kwargs.get("dtype") not in (None, *FLOAT_DTYPES):
             return None
         form = self.vocab_form(x)
@@ -854,7 +870,7 @@ class Analysis:
                 fa, fb = self._vocab_of(a, va), self._vocab_of(b, vb)
                 if fa is None or fb is None or fa.base is not fb.base or fa.soft == fb.soft:
                     return None
-                if not same_written_shape(G.shape(a), G.shape(b)):
+                if not same_written_shape(fxgraph.shape(a), fxgraph.shape(b)):
                     return None
                 soft, plain = (fa, fb) if fa.soft else (fb, fa)
                 coef = dict(soft.form)
@@ -871,12 +887,16 @@ class Analysis:
                 return Row(vb.base, _combine(_scaled(vb.terms, sign), _form(one=_scalar(a))), vb.keepdim)
             return None
         if isinstance(va, Row) and isinstance(vb, Row):
-            if va.base is not vb.base or va.keepdim != vb.keepdim or not same_written_shape(G.shape(a), G.shape(b)):
+            if (
+                va.base is not vb.base
+                or va.keepdim != vb.keepdim
+                or not same_written_shape(fxgraph.shape(a), fxgraph.shape(b))
+            ):
                 return None
             return Row(va.base, _combine(va.terms, vb.terms, sign), va.keepdim)
         # a vocab-sized form plus a keepdim row of lse: z - logsumexp(z, -1, keepdim=True)
         fa, fb = self._vocab_of(a, va), self._vocab_of(b, vb)
-        if not same_written_shape(G.shape(a)[:-1], G.shape(b)[:-1]):
+        if not same_written_shape(fxgraph.shape(a)[:-1], fxgraph.shape(b)[:-1]):
             return None
         for f, row, s_f, s_row in ((fa, vb, 1.0, sign), (fb, va, sign, 1.0)):
             if f is None or not isinstance(row, Row) or f.soft or not row.keepdim or row.base is not f.base:
@@ -885,7 +905,7 @@ class Analysis:
                 return None
             return Vocab(f.base, _combine(_scaled(f.form, s_f), row.terms, s_row), False)
         if fa is not None and fb is not None and fa.base is fb.base and fa.soft == fb.soft:
-            if not same_written_shape(G.shape(a), G.shape(b)):
+            if not same_written_shape(fxgraph.shape(a), fxgraph.shape(b)):
                 return None
             return Vocab(fa.base, _combine(fa.form, fb.form, sign), fa.soft)
         return None
@@ -904,27 +924,27 @@ class Analysis:
         if xv.keepdim or chain is None or not chain.replay or any(isinstance(k, tuple) for k, _ in xv.terms):
             return None
         flat = chain.replay[-1]
-        parent = flat.args[0] if G.op(flat) in ("view", "reshape", "flatten") and flat.args else None
+        parent = flat.args[0] if fxgraph.op(flat) in ("view", "reshape", "flatten") and flat.args else None
         pv = self.r.values.get(parent) if isinstance(parent, fx.Node) else None
         if not isinstance(pv, Chain) or pv.replay != chain.replay[:-1]:
             return None
         if pv.transform != chain.transform:
             return None
-        if not _equal_sizes(G.shape(node), G.shape(parent)[:-1]):
+        if not _equal_sizes(fxgraph.shape(node), fxgraph.shape(parent)[:-1]):
             return None
         return Row(self.base_of(parent), xv.terms, False)
 
     def row_dims(self, node: fx.Node, name: str, x: fx.Node, xv: Row) -> Row | None:
-        dim = G.arg(node, 1, "dim")
+        dim = fxgraph.arg(node, 1, "dim")
         nd = ndim_of(x)
         if name == "squeeze" and xv.keepdim:
             if dim is None:
-                xs = G.shape(x)
-                ok = all(G.hint(s) not in (None, 1) for s in xs[:-1])
+                xs = fxgraph.shape(x)
+                ok = all(fxgraph.hint(s) not in (None, 1) for s in xs[:-1])
             else:
                 ok = _dim_is_last(dim, nd)
             return Row(xv.base, xv.terms, False) if ok else None
-        if name == "unsqueeze" and not xv.keepdim and G.normalize_dim(dim, nd + 1) == nd:
+        if name == "unsqueeze" and not xv.keepdim and fxgraph.normalize_dim(dim, nd + 1) == nd:
             return Row(xv.base, xv.terms, True)
         return None
 
@@ -933,7 +953,7 @@ def _pinned(x: Any) -> Any:
     """A symbolic int that names an index or a mode (``ignore_index`` passed into the compiled function, under
     dynamic shapes) as the int it is in this call, under a guard: a call with another value recompiles (and is
     fused for its own value). Anything else unchanged."""
-    value = G.example_value(x) if isinstance(x, fx.Node) else x
+    value = fxgraph.example_value(x) if isinstance(x, fx.Node) else x
     if not isinstance(value, torch.SymInt):
         return x
     from torch.fx.experimental.symbolic_shapes import guard_int
@@ -947,7 +967,7 @@ def _pinned(x: Any) -> Any:
 def _pinned_number(x: Any) -> float | None:
     """A symbolic scalar (a Python float Dynamo made an input under dynamic shapes) as the number it is in this
     call, under a guard (a call with another value recompiles); None for a tensor or what cannot be pinned."""
-    value = G.example_value(x) if isinstance(x, fx.Node) else x
+    value = fxgraph.example_value(x) if isinstance(x, fx.Node) else x
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, torch.SymFloat | torch.SymInt):
@@ -977,8 +997,8 @@ _ALLOCS = frozenset(
 )
 
 
-def _extent(cut: G.DimSlice) -> int | None:
-    return G.static_size(G.shape(cut.source)[cut.dim])
+def _extent(cut: fxgraph.DimSlice) -> int | None:
+    return fxgraph.static_size(fxgraph.shape(cut.source)[cut.dim])
 
 
 def _is_write(node: fx.Node, buffer: fx.Node) -> bool:
@@ -990,10 +1010,10 @@ def _is_write(node: fx.Node, buffer: fx.Node) -> bool:
 
 def _writes_through(node: fx.Node) -> bool:
     """``node`` is a slice that a ``copy_`` writes into (its only use)."""
-    if G.op(node) != "getitem" or len(node.users) != 1:
+    if fxgraph.op(node) != "getitem" or len(node.users) != 1:
         return False
     user = next(iter(node.users))
-    return G.op(user) == "copy_" and user.args[0] is node
+    return fxgraph.op(user) == "copy_" and user.args[0] is node
 
 
 def view_sizes(node: fx.Node) -> list | None:
@@ -1018,7 +1038,7 @@ def _leading_index(index: Any, ndim: int) -> bool:
     covered = 0
     for i in items:
         if isinstance(i, fx.Node):
-            value = G.example_value(i)
+            value = fxgraph.example_value(i)
             if isinstance(value, torch.Tensor):
                 # advanced indexing of leading dims (a row mask or row indices) replays on h unchanged
                 covered += value.dim() if value.dtype == torch.bool else 1
@@ -1044,8 +1064,8 @@ _RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "squeeze", "un
 
 
 def is_static(shape: tuple | None) -> bool:
-    """Every size an int, or pinned to one by a guard (``G.static_size``): the same shape in every call."""
-    return shape is not None and all(G.static_size(s) is not None for s in shape)
+    """Every size an int, or pinned to one by a guard (``fxgraph.static_size``): the same shape in every call."""
+    return shape is not None and all(fxgraph.static_size(s) is not None for s in shape)
 
 
 def _core(replay: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
@@ -1053,14 +1073,14 @@ def _core(replay: tuple[fx.Node, ...]) -> tuple[fx.Node, ...]:
     slices that keep every row (``z[:, :]``, the one chunk of ``split(k)`` when k covers them all)."""
     while replay:
         last = replay[-1]
-        if G.op(last) in _RESHAPES and is_static(G.shape(last)):
+        if fxgraph.op(last) in _RESHAPES and is_static(fxgraph.shape(last)):
             replay = replay[:-1]
             continue
-        cut = G.as_dim_slice(last)
-        if cut is None or not cut.keep or (cut.start, cut.stop) != (0, G.shape(cut.source)[cut.dim]):
+        cut = fxgraph.as_dim_slice(last)
+        if cut is None or not cut.keep or (cut.start, cut.stop) != (0, fxgraph.shape(cut.source)[cut.dim]):
             break
         replay = replay[:-1]
-        if replay and replay[-1] is last.args[0] and G.op(replay[-1]) in G.SPLIT_OPS:
+        if replay and replay[-1] is last.args[0] and fxgraph.op(replay[-1]) in fxgraph.SPLIT_OPS:
             replay = replay[:-1]
     return replay
 
@@ -1072,13 +1092,15 @@ def _rows_key(replay: tuple[fx.Node, ...]) -> tuple:
 
 def _canonical_labels(labels: fx.Node) -> fx.Node:
     """The labels before reshapes and same-device ``.to(device)`` (static shapes): ``y.view(-1)`` is ``y``."""
-    while is_static(G.shape(labels)) and isinstance(labels.args[0] if labels.args else None, fx.Node):
+    while is_static(fxgraph.shape(labels)) and isinstance(labels.args[0] if labels.args else None, fx.Node):
         src = labels.args[0]
-        same_device = getattr(G.example_value(src), "device", None) == getattr(G.example_value(labels), "device", 0)
-        pure_to = labels.op == "call_method" and labels.target == "to" and G.dtype(src) == G.dtype(labels)
-        if not (G.op(labels) in _RESHAPES or (pure_to and same_device)) or not is_static(G.shape(src)):
+        same_device = getattr(fxgraph.example_value(src), "device", None) == getattr(
+            fxgraph.example_value(labels), "device", 0
+        )
+        pure_to = labels.op == "call_method" and labels.target == "to" and fxgraph.dtype(src) == fxgraph.dtype(labels)
+        if not (fxgraph.op(labels) in _RESHAPES or (pure_to and same_device)) or not is_static(fxgraph.shape(src)):
             break
-        if G.dtype(src) != G.dtype(labels):  # view(dtype) reinterprets bits
+        if fxgraph.dtype(src) != fxgraph.dtype(labels):  # view(dtype) reinterprets bits
             break
         labels = src
     return labels
@@ -1086,8 +1108,15 @@ def _canonical_labels(labels: fx.Node) -> fx.Node:
 
 def _labels_of(index: fx.Node) -> fx.Node | None:
     """``y`` when ``index`` is ``y.unsqueeze(-1)`` (or ``y[..., None]``), else None (squeeze it)."""
-    if G.op(index) == "unsqueeze" and G.normalize_dim(G.arg(index, 1, "dim"), ndim_of(index)) == ndim_of(index) - 1:
+    if (
+        fxgraph.op(index) == "unsqueeze"
+        and fxgraph.normalize_dim(fxgraph.arg(index, 1, "dim"), ndim_of(index)) == ndim_of(index) - 1
+    ):
         return index.args[0]
-    if G.op(index) == "getitem" and index.args[1] in ((Ellipsis, None), (slice(None), None)) and ndim_of(index) == 2:
+    if (
+        fxgraph.op(index) == "getitem"
+        and index.args[1] in ((Ellipsis, None), (slice(None), None))
+        and ndim_of(index) == 2
+    ):
         return index.args[0]
     return None

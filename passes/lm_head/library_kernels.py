@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import graph as G
+from tilecompile import graph as fxgraph
 
 TRL_MODULE = "trl.kernels.logprob_entropy"
 _TRL_FORWARD = "_forward_kernel"
@@ -129,10 +129,10 @@ def _from_launch(node: fx.Node) -> KernelCall | None:
     outputs: dict[str, list[fx.Node]] = {}
     for key, param in (("logp", "logprobs_ptr"), ("entropy", "entropy_ptr")):
         buffer = launch[param]
-        if not isinstance(buffer, fx.Node) or G.op(buffer) not in ("empty", "empty_like"):
+        if not isinstance(buffer, fx.Node) or fxgraph.op(buffer) not in ("empty", "empty_like"):
             return None
         later = [u for u in buffer.users if position[u] > position[node]]
-        if any(G.is_view_like(u) or G.mutated_args(u) for u in later):
+        if any(fxgraph.is_view_like(u) or fxgraph.mutated_args(u) for u in later):
             return None  # the buffer is written again or aliased afterwards: not a plain value
         outputs[key] = [buffer]
     mask = launch["row_mask_ptr"] if launch["HAS_MASK"] else None
@@ -161,7 +161,7 @@ def _after_linear(node: fx.Node, budget: int = 64) -> bool:
     seen, todo = {node}, [node]
     while todo and len(seen) <= budget:
         n = todo.pop(0)
-        if G.as_linear(n) is not None:
+        if fxgraph.as_linear(n) is not None:
             return True
         for a in n.all_input_nodes:
             if a not in seen:
@@ -192,7 +192,7 @@ def expand(call: KernelCall | CrossEntropyCall, b: Any) -> list[fx.Node]:
     graph = call.node.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     z = call.logits
-    if G.dtype(z) != torch.float32:
+    if fxgraph.dtype(z) != torch.float32:
         z = b.call("float", z, method=True)
     if call.temperature != 1.0:
         z = b.call(operator.truediv, z, call.temperature)
@@ -204,7 +204,7 @@ def expand(call: KernelCall | CrossEntropyCall, b: Any) -> list[fx.Node]:
         if not reads:
             continue
         if key == "logp":
-            index = call.index if G.dtype(call.index) == torch.int64 else b.call("long", call.index, method=True)
+            index = call.index if fxgraph.dtype(call.index) == torch.int64 else b.call("long", call.index, method=True)
             if keep is not None:  # the kernel never reads a masked row's label (it may be out of range, -100 say)
                 index = b.call(torch.where, keep, index, 0)
             picked = b.call(torch.gather, logp_all, -1, b.call("unsqueeze", index, -1, method=True))
@@ -325,8 +325,8 @@ def read_function(node: fx.Node, gm: fx.GraphModule) -> FunctionCall | str | Non
     fwd_in = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     outs = _forward_outputs(fwd)
     computed = _computed(fwd)
-    names = {G.op(n) for n in computed}
-    where = bool(names & _MATMULS) or bool(names & _SOFTMAXY) or any(G.as_linear(n) for n in computed)
+    names = {fxgraph.op(n) for n in computed}
+    where = bool(names & _MATMULS) or bool(names & _SOFTMAXY) or any(fxgraph.as_linear(n) for n in computed)
     if outs is None or len(fwd_in) != len(operands) or not all(isinstance(o, fx.Node) for o in operands):
         return _unread(node, "its bodies are not in the form this reader knows") if where else None
     outputs, saved = outs
@@ -342,7 +342,7 @@ def read_function(node: fx.Node, gm: fx.GraphModule) -> FunctionCall | str | Non
     ident = _read_identity(out, outer, computed, bwd)
     if ident is not None:
         return FunctionCall(node, "identity", ident)
-    lin = G.as_affine(out)
+    lin = fxgraph.as_affine(out)
     if lin is None:
         return _unread(node, "its forward is not one linear of its operands") if where else None
     if any(t is not None and t not in outer for t in (lin.input, lin.weight, lin.bias)):
@@ -350,10 +350,10 @@ def read_function(node: fx.Node, gm: fx.GraphModule) -> FunctionCall | str | Non
     allowed = {out, lin.node}
     if lin.node is not out:
         allowed |= {a for a in lin.node.all_input_nodes if a.op != "placeholder"}
-    allowed |= {a for a in out.all_input_nodes if a.op != "placeholder" and G.transposed_of(a) is not None}
+    allowed |= {a for a in out.all_input_nodes if a.op != "placeholder" and fxgraph.transposed_of(a) is not None}
     extra = [n for n in computed if n not in allowed]
     if extra:
-        what = ", ".join(f"{G.op(n) or n.target} {n.name}" for n in extra[:3])
+        what = ", ".join(f"{fxgraph.op(n) or n.target} {n.name}" for n in extra[:3])
         return _unread(node, f"its forward computes more than the linear ({what})")
     reason = _check_linear_backward(bwd, lin, saved, outer, fwd_in, operands, len(outputs), index)
     if reason:
@@ -402,7 +402,7 @@ def _read_identity(out: fx.Node, outer: dict, computed: list[fx.Node], bwd: fx.G
 
 def _check_linear_backward(
     bwd: fx.GraphModule,
-    lin: G.Linear,
+    lin: fxgraph.Linear,
     saved: list[Any],
     outer: dict,
     fwd_in: list[fx.Node],
@@ -423,7 +423,7 @@ def _check_linear_backward(
             forms[p] = ("x", False)
         elif s is w:
             forms[p] = ("w",)
-    xs, ws, gs = (G.shape(n) for n in (x, w, lin.node))
+    xs, ws, gs = (fxgraph.shape(n) for n in (x, w, lin.node))
     if xs is None or ws is None or gs is None or len(ws) != 2:
         return "shapes unknown"
     for n in bwd.graph.nodes:
@@ -440,14 +440,15 @@ def _check_linear_backward(
         if p not in want:
             return f"operand {outer[p].name} is not the linear's input, weight or bias"
         if grad is None:
-            value = G.example_value(outer[p])
+            value = fxgraph.example_value(outer[p])
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 return f"its backward returns no gradient for {outer[p].name}, which requires grad"
             continue
         if forms.get(grad) != want[p]:
             return (
                 f"its backward's gradient for {outer[p].name} is not the linear's ({grad.name}: "
-                f"{G.op(grad) or grad.target}; e.g. a collective under tensor parallelism, or a fused wgrad buffer)"
+                f"{fxgraph.op(grad) or grad.target}; e.g. a collective under tensor parallelism, or a fused wgrad "
+                "buffer)"
             )
     return None
 
@@ -456,38 +457,42 @@ def _backward_form(n: fx.Node, forms: dict, xs: tuple, ws: tuple, gs: tuple) -> 
     """The abstract value of a backward node: the output's gradient g ("g", flat), the input x ("x", flat), the
     weight ("w"), gᵀ of flat g ("gT"), and the gradients ("dx", "dw", "db")."""
     args = [a for a in n.args if isinstance(a, fx.Node)]
-    name = G.op(n)
+    name = fxgraph.op(n)
     first = forms.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
     if name in ("contiguous", "clone") and first is not None and len(args) == 1:
         return first
     if name in ("view", "reshape") and first is not None and first[0] in ("g", "x"):
         size = tuple(n.args[1]) if len(n.args) == 2 and isinstance(n.args[1], tuple | list) else tuple(n.args[1:])
         full = gs if first[0] == "g" else xs
-        shape = G.shape(n)
+        shape = fxgraph.shape(n)
         if (
             shape is not None
             and len(shape) == 2
-            and G.same_size(shape[-1], full[-1])
+            and fxgraph.same_size(shape[-1], full[-1])
             and all(isinstance(s, int) for s in size)
         ):
             return (first[0], True)
         return None
-    if name in ("t", "transpose") and first is not None and first[0] == "g" and len(G.shape(n) or ()) == 2:
+    if name in ("t", "transpose") and first is not None and first[0] == "g" and len(fxgraph.shape(n) or ()) == 2:
         flat = first[1] or len(gs) == 2
         return ("gT",) if flat and (name == "t" or {*n.args[1:]} in ({0, 1}, {0, -1}, {-2, -1})) else None
     if name == "matmul" and len(n.args) == 2 and len(args) == 2:
         fa, fb = forms.get(n.args[0]), forms.get(n.args[1])
-        if fa is not None and fa[0] == "g" and fb == ("w",) and G.same_shape(G.shape(n) or (), xs):
+        if fa is not None and fa[0] == "g" and fb == ("w",) and fxgraph.same_shape(fxgraph.shape(n) or (), xs):
             return ("dx",)
         flat_x = fb is not None and fb[0] == "x" and (fb[1] or len(xs) == 2)
-        if fa == ("gT",) and flat_x and G.same_shape(G.shape(n) or (), ws):
+        if fa == ("gT",) and flat_x and fxgraph.same_shape(fxgraph.shape(n) or (), ws):
             return ("dw",)
         return None
     if name == "sum" and first is not None and first[0] == "g":
-        dims = G.arg(n, 1, "dim")
-        lead = set(range(len(G.shape(n.args[0]) or ()) - 1))
+        dims = fxgraph.arg(n, 1, "dim")
+        lead = set(range(len(fxgraph.shape(n.args[0]) or ()) - 1))
         dims = {dims} if isinstance(dims, int) else set(dims or ())
-        if dims == lead and not G.arg(n, 2, "keepdim", False) and G.same_shape(G.shape(n) or (), ws[:1]):
+        if (
+            dims == lead
+            and not fxgraph.arg(n, 2, "keepdim", False)
+            and fxgraph.same_shape(fxgraph.shape(n) or (), ws[:1])
+        ):
             return ("db",)
     return None
 
@@ -506,21 +511,21 @@ class _Inserter:
             if key in self.anchor.meta:
                 node.meta[key] = self.anchor.meta[key]
         with self.fake_mode:
-            node.meta["example_value"] = target(*fx.node.map_arg(args, G.example_value))
+            node.meta["example_value"] = target(*fx.node.map_arg(args, fxgraph.example_value))
         return node
 
 
 def expand_functions(gm: fx.GraphModule, result: Any) -> bool:
     """Replace every call of ``gm``'s graph that ``read_function`` reads by its math; a reason for the others that
     stand where a linear or a loss would. True when the graph changed."""
-    from tilecompile import reporting as R
+    from tilecompile import reporting as reporting
 
     changed = False
     for node in list(gm.graph.nodes):
         call = read_function(node, gm)
         if call is None:
             continue
-        where = G.module_path(node)
+        where = fxgraph.module_path(node)
         candidate = f"{function_name(node)} at {node.name}"
         items = _getitems(node)
         index = 0 if isinstance(call, str) else call.index
@@ -538,14 +543,16 @@ def expand_functions(gm: fx.GraphModule, result: Any) -> bool:
             continue
         result.consider(node, candidate)
         if isinstance(call, str):
-            result.skip(node, R.Skip("canonical", candidate, where, call))
+            result.skip(node, reporting.Skip("canonical", candidate, where, call))
             continue
         if not plain:
-            result.skip(node, R.Skip("canonical", candidate, where, "its output is used other than by indexing"))
+            result.skip(
+                node, reporting.Skip("canonical", candidate, where, "its output is used other than by indexing")
+            )
             continue
-        fake_mode = getattr(G.example_value(call.input), "fake_mode", None)
+        fake_mode = getattr(fxgraph.example_value(call.input), "fake_mode", None)
         if fake_mode is None:
-            result.skip(node, R.Skip("canonical", candidate, where, "no fake tensors on its operands"))
+            result.skip(node, reporting.Skip("canonical", candidate, where, "no fake tensors on its operands"))
             continue
         value = _Inserter(node, fake_mode).call(torch.nn.functional.linear, call.input, call.weight, call.bias)
         for item in items.get(index, []):
@@ -554,10 +561,14 @@ def expand_functions(gm: fx.GraphModule, result: Any) -> bool:
         for item in dead:
             gm.graph.erase_node(item)
         gm.graph.erase_node(node)
-        shapes = {"input": G.shape(call.input)} | ({"weight": G.shape(call.weight)} if call.weight is not None else {})
-        shapes = {k: tuple(G.hint(s) if G.hint(s) is not None else s for s in v) for k, v in shapes.items() if v}
+        shapes = {"input": fxgraph.shape(call.input)} | (
+            {"weight": fxgraph.shape(call.weight)} if call.weight is not None else {}
+        )
+        shapes = {
+            k: tuple(fxgraph.hint(s) if fxgraph.hint(s) is not None else s for s in v) for k, v in shapes.items() if v
+        }
         detail = f"{function_name(node)} read as F.linear (its backward is the linear's gradient)"
-        result.rewrote(node, R.Rewrite("canonical", where, shapes, {}, detail))
+        result.rewrote(node, reporting.Rewrite("canonical", where, shapes, {}, detail))
         changed = True
     _drop_unused_bodies(gm)
     return changed
@@ -625,10 +636,10 @@ def read_mcore_cross_entropy(node: fx.Node, gm: fx.GraphModule) -> CrossEntropyC
     if len(operands) != 2 or len(places) != 2 or outs is None or len(outs[0]) != 1:
         return f"{what}: its forward is not in the form of megatron-core 0.16 (logits, target) -> loss"
     logits, target = operands
-    lv, tv = G.example_value(logits), G.example_value(target)
+    lv, tv = fxgraph.example_value(logits), fxgraph.example_value(target)
     if not (isinstance(lv, torch.Tensor) and isinstance(tv, torch.Tensor)) or tv.is_floating_point():
         return f"{what}: its operands are not float logits and integer targets"
-    if not G.same_shape(tuple(lv.shape[:-1]), tuple(tv.shape)):
+    if not fxgraph.same_shape(tuple(lv.shape[:-1]), tuple(tv.shape)):
         return f"{what}: logits {tuple(lv.shape)} and target {tuple(tv.shape)} do not fit"
     for body in (fwd, bwd):
         for n in body.graph.nodes:
@@ -642,15 +653,15 @@ def read_mcore_cross_entropy(node: fx.Node, gm: fx.GraphModule) -> CrossEntropyC
                         "vocabulary shard; the fused op's vocab-parallel path is for tilecompile.parallelize)"
                     )
     (loss,) = outs[0]
-    log = loss.args[0] if G.op(loss) == "sub" and len(loss.args) == 2 else None
-    if not isinstance(log, fx.Node) or G.op(log) != "log":
+    log = loss.args[0] if fxgraph.op(loss) == "sub" and len(loss.args) == 2 else None
+    if not isinstance(log, fx.Node) or fxgraph.op(log) != "log":
         return f"{what}: its loss is not log(Σ exp) − z_t (label smoothing?)"
     t = places[1]
     bounds = {}
     for n in t.users:
         if n.op == "call_function" and n.target in (operator.lt, operator.ge) and n.args[0] is t:
             bounds[n.target] = n.args[1]
-    vocab = G.hint(lv.shape[-1])
+    vocab = fxgraph.hint(lv.shape[-1])
     if bounds.get(operator.lt) != 0 or bounds.get(operator.ge) != vocab:
         return f"{what}: its vocabulary range is not (0, {vocab}) (this rank holds a shard of the vocabulary)"
     return CrossEntropyCall(node, logits, target, live[0])
@@ -658,13 +669,13 @@ def read_mcore_cross_entropy(node: fx.Node, gm: fx.GraphModule) -> CrossEntropyC
 
 def _expand_cross_entropy(call: CrossEntropyCall, b: Any) -> list[fx.Node]:
     z = call.logits
-    if G.dtype(z) != torch.float32:
+    if fxgraph.dtype(z) != torch.float32:
         z = b.call("float", z, method=True)
-    t = call.target if G.dtype(call.target) == torch.int64 else b.call("long", call.target, method=True)
+    t = call.target if fxgraph.dtype(call.target) == torch.int64 else b.call("long", call.target, method=True)
     logp_all = b.call(torch.log_softmax, z, -1)
     picked = b.call(torch.gather, logp_all, -1, b.call("unsqueeze", t, -1, method=True))
     loss = b.call(operator.neg, b.call("squeeze", picked, -1, method=True))
-    for item in [u for u in call.node.users if G.op(u) == "getitem"]:
+    for item in [u for u in call.node.users if fxgraph.op(u) == "getitem"]:
         if item.args[1] == call.index:
             item.replace_all_uses_with(loss)
         if not item.users:  # the loss's, and the unread results' (``_dead_outputs``)

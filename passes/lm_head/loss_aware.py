@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import graph as G
+from tilecompile import graph as fxgraph
 
 _OPERATORS = {
     operator.gt: "gt", operator.lt: "lt", operator.ge: "ge", operator.le: "le", operator.eq: "eq", operator.ne: "ne",
@@ -56,7 +56,7 @@ _FLAT = frozenset({
     "isinf", "isfinite", "floor", "ceil", "round", "trunc", "floor_divide", "zeros_like", "ones_like",
 })  # fmt: skip
 _REDUCTIONS = frozenset({"sum", "mean"})
-_VIEWS = frozenset({*G.VIEW_OPS, "getitem", "expand", "expand_as", "clone", "view_as", "reshape_as", "squeeze",
+_VIEWS = frozenset({*fxgraph.VIEW_OPS, "getitem", "expand", "expand_as", "clone", "view_as", "reshape_as", "squeeze",
                     "unsqueeze"})  # fmt: skip
 _CASTS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as"})
 
@@ -90,7 +90,7 @@ def name_of(node: fx.Node) -> str | None:
         return _OPERATORS[node.target]
     if node.op == "call_method" and node.target in _METHOD_NAMES:
         return _METHOD_NAMES[node.target]
-    name = G.op(node)
+    name = fxgraph.op(node)
     if name is not None and name.endswith("_") and not name.startswith("_"):
         return None  # in-place variants mutate what others may read: not per-token math we can move
     return name
@@ -100,7 +100,7 @@ def _is_sink(node: fx.Node, modes: dict[fx.Node, bool | None]) -> bool:
     """A use that takes no gradient: a detach, a node under no_grad, or one that yields no floating tensor."""
     if modes.get(node) is False or name_of(node) == "detach":
         return True
-    value = G.example_value(node)
+    value = fxgraph.example_value(node)
     if isinstance(value, torch.Tensor):
         return not value.is_floating_point()
     return False
@@ -118,7 +118,7 @@ def _classify(node: fx.Node, vals: dict[fx.Node, Any]) -> Any:
         if ins != [first] or name in ("type_as", "expand_as", "view_as", "reshape_as") and len(ins) != 1:
             return None
         v = vals[first]
-        out_dtype = G.dtype(node)
+        out_dtype = fxgraph.dtype(node)
         keeps_grad = v.grad and out_dtype is not None and out_dtype.is_floating_point
         if isinstance(v, Lin):
             return Lin(keeps_grad)
@@ -134,8 +134,8 @@ def _classify(node: fx.Node, vals: dict[fx.Node, Any]) -> Any:
     kinds = {type(vals[a]) for a in ins}
     if kinds == {Tok}:
         paths = {vals[a].path for a in ins}
-        shape = G.shape(node)
-        if len(paths) != 1 or any(not G.same_shape(G.shape(a), shape) for a in ins):
+        shape = fxgraph.shape(node)
+        if len(paths) != 1 or any(not fxgraph.same_shape(fxgraph.shape(a), shape) for a in ins):
             return None  # two tokens' values in one element, or a per-token value broadcast over more elements
         return Tok(paths.pop(), grad and name in _SMOOTH)
     if kinds == {Lin} and name in _SMOOTH and _linear(node, name, ins):
@@ -218,7 +218,7 @@ def find_loss(
         return (
             f"the per-token value {loss.name} is used by {_describe(user)}, which is not per-token math or a sum / mean"
         )
-    value = G.example_value(loss)
+    value = fxgraph.example_value(loss)
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         return f"{loss.name} (used by {_describe(user)}) is not a scalar loss: {shape}"
@@ -233,8 +233,8 @@ def find_loss(
                     f"the loss math reads {a.name}, which depends on the logits outside the log-prob / entropy "
                     "(a detached copy, or another lm_head's)"
                 )
-            if not isinstance(G.example_value(a), torch.Tensor):
-                kind = type(G.example_value(a)).__name__
+            if not isinstance(fxgraph.example_value(a), torch.Tensor):
+                kind = type(fxgraph.example_value(a)).__name__
                 return f"the loss math reads {a.name}, a {kind} (a symbolic Python number, under dynamic shapes)"
             externals.append(a)
     return LossPlan(loss, nodes, externals)
@@ -264,7 +264,7 @@ def check_externals(plan: LossPlan, at: fx.Node, modes: dict[fx.Node, bool | Non
             return f"the loss math reads {n.name}, computed after the log-probs' first use in another grad mode"
     roots = {_storage_root(n) for n in needed}
     for node in list(graph.nodes)[order[at] :]:
-        for target in G.mutated_args(node):
+        for target in fxgraph.mutated_args(node):
             if _storage_root(target) in roots:
                 return (
                     f"the loss math reads {target.name} (or a view of it), which {node.name} changes in place after "
@@ -276,7 +276,12 @@ def check_externals(plan: LossPlan, at: fx.Node, modes: dict[fx.Node, bool | Non
 def _storage_root(node: fx.Node) -> fx.Node:
     """The node whose storage ``node`` shares: back through views, slices and in-place results."""
     while node.args and isinstance(node.args[0], fx.Node):
-        if not (G.is_view_like(node) or name_of(node) in _VIEWS or G.is_inplace(node) or G.op(node) == "detach"):
+        if not (
+            fxgraph.is_view_like(node)
+            or name_of(node) in _VIEWS
+            or fxgraph.is_inplace(node)
+            or fxgraph.op(node) == "detach"
+        ):
             break
         node = node.args[0]
     return node

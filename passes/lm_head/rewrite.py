@@ -11,8 +11,8 @@ erased.
 It runs in four steps: ``plan`` takes every decision (the calls, each one's op variant, the loss mode, what moves
 above the anchor) and every rejection, before the graph changes; ``_emit`` moves the planned pure nodes up and
 inserts the calls; ``_rebuild`` rebuilds the escaping values and erases the region; ``_describe`` words the report.
-A rejection (``A.Reject``) therefore leaves the graph as it was, with nothing to roll back; an error after the plan
-is a bug, and the pipeline's snapshot undoes the whole pass.
+A rejection (``algebra.Reject``) therefore leaves the graph as it was, with nothing to roll back; an error after the
+plan is a bug, and the pipeline's snapshot undoes the whole pass.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tilecompile import graph as G
-from tilecompile import reporting as R
+from tilecompile import graph as fxgraph
+from tilecompile import reporting
 from tilecompile.pass_api import expect
-from tilecompile.passes.lm_head import algebra as A
-from tilecompile.passes.lm_head import loss_aware as LA
+from tilecompile.passes.lm_head import algebra, loss_aware
 
 NAME = "fused_linear_ce"  # the pass's name in its records (passes/lm_head/__init__.py)
 
@@ -46,11 +45,11 @@ _SPELLING_OPS = frozenset(
 # --------------------------------------------------------------------------------------------------- rewrite
 
 
-def _replay(b: G.NodeBuilder, h: fx.Node, node: fx.Node, d: int) -> fx.Node:
+def _replay(b: fxgraph.NodeBuilder, h: fx.Node, node: fx.Node, d: int) -> fx.Node:
     """Apply the view/slice ``node`` (of [..., V] logits) to ``h`` ([..., D])."""
-    name = G.op(node)
+    name = fxgraph.op(node)
     if name in ("view", "reshape"):
-        sizes = A.view_sizes(node)
+        sizes = algebra.view_sizes(node)
         sizes = [*sizes[:-1], sizes[-1] if sizes[-1] == -1 else d]
         return b.call(name, h, *sizes, method=True)
     args = (h, *node.args[1:])
@@ -59,7 +58,7 @@ def _replay(b: G.NodeBuilder, h: fx.Node, node: fx.Node, d: int) -> fx.Node:
     return b.call(node.target, *args, **node.kwargs)
 
 
-def temperature_of(chain: A.Chain) -> float:
+def temperature_of(chain: algebra.Chain) -> float:
     return 1.0 / chain.scale
 
 
@@ -86,7 +85,7 @@ class Plan:
     pinned_sizes: list[fx.Node]  # sizes of the logits read outside, replaced by ints
     calls: list[Call]
     aliases: dict[fx.Node, dict[tuple, tuple]]  # per base: a gather's labels key -> the CE call on the same labels
-    loss: LA.LossPlan | None  # the loss-aware mode's loss, or None
+    loss: loss_aware.LossPlan | None  # the loss-aware mode's loss, or None
     mode: str  # the mode's words for the report ("" when nothing needs grads)
     hoist: list[fx.Node]  # pure nodes defined after the anchor that the calls read, in the order they move
     modes: dict[fx.Node, bool | None]  # each node's grad mode (``_grad_modes``)
@@ -99,14 +98,14 @@ class Plan:
 
 def rewrite(
     gm: fx.GraphModule,
-    r: A.Region,
+    r: algebra.Region,
     escapes: list[fx.Node],
     settings: Any,
     op: Any,
     tainted: set[fx.Node],
     in_body: bool = False,
-) -> R.Rewrite:
-    """Plan the rewrite (every check; ``A.Reject`` leaves the graph as it was), then emit the fused calls, rebuild
+) -> reporting.Rewrite:
+    """Plan the rewrite (every check; ``algebra.Reject`` leaves the graph as it was), then emit the fused calls, rebuild
     each escaping value from their outputs, erase the region, and describe what was done."""
     p = plan(gm, r, escapes, settings, tainted, in_body)
     emitted = _emit(gm, r, p, settings, op)
@@ -115,14 +114,14 @@ def rewrite(
 
 
 def plan(
-    gm: fx.GraphModule, r: A.Region, escapes: list[fx.Node], settings: Any, tainted: set[fx.Node], in_body: bool
+    gm: fx.GraphModule, r: algebra.Region, escapes: list[fx.Node], settings: Any, tainted: set[fx.Node], in_body: bool
 ) -> Plan:
-    """Decide the calls, each call's op variant, the loss mode and what moves; raises ``A.Reject`` before any
+    """Decide the calls, each call's op variant, the loss mode and what moves; raises ``algebra.Reject`` before any
     change to the graph."""
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     inside = set(r.values)
-    pinned_sizes = [n for n in escapes if isinstance(r.values[n], A.Size)]  # of the logits, ints in every call
+    pinned_sizes = [n for n in escapes if isinstance(r.values[n], algebra.Size)]  # of the logits, ints in every call
     escapes = [n for n in escapes if n not in pinned_sizes]
     users = [u for n in escapes for u in n.users if u not in inside]
     anchor = min(users, key=lambda u: position[u])
@@ -131,9 +130,9 @@ def plan(
     modes = _grad_modes(graph)
     no_grad = {n for n in escapes if modes[n] is False}
     switch = modes[anchor] is False and len(no_grad) < len(escapes)
-    fake_mode = getattr(G.example_value(r.linear.input), "fake_mode", None)  # the graph's mode, not the tracer's
+    fake_mode = getattr(fxgraph.example_value(r.linear.input), "fake_mode", None)  # the graph's mode, not the tracer's
     if fake_mode is None:
-        raise A.Reject("no fake tensors on the graph to build the rewrite with")
+        raise algebra.Reject("no fake tensors on the graph to build the rewrite with")
 
     # which (labels, ignore) calls each base needs, and which statistics
     keyed_by_base: dict[fx.Node, list[tuple]] = {}
@@ -141,9 +140,9 @@ def plan(
     for node in escapes:
         v = r.values[node]
         keys = []
-        if isinstance(v, A.Argmax):
+        if isinstance(v, algebra.Argmax):
             needs["argmax"].add(v.base)
-        elif isinstance(v, A.Reduced):
+        elif isinstance(v, algebra.Reduced):
             keys.append((v.labels, v.ignore))
             if v.smoothing:
                 needs["lse"].add(v.base)
@@ -157,7 +156,7 @@ def plan(
                 elif k == "zsum":
                     needs["zsum"].add(v.base)
                 elif _is_term(k, "zy"):
-                    keys.append((k[1], A.ANY_NEGATIVE))
+                    keys.append((k[1], algebra.ANY_NEGATIVE))
                 elif isinstance(k, tuple) and k[0] in ("ce", "wce", "smooth"):
                     keys.append((k[1], k[2]))
                     if k[0] == "smooth":
@@ -174,8 +173,8 @@ def plan(
     aliases: dict[fx.Node, dict[tuple, tuple]] = {}
     for base, keys in keyed_by_base.items():
         for labels, ignore in keys:
-            if ignore == A.ANY_NEGATIVE:
-                twin = next((k for k in keys if k[0] is labels and k[1] != A.ANY_NEGATIVE and k[1] < 0), None)
+            if ignore == algebra.ANY_NEGATIVE:
+                twin = next((k for k in keys if k[0] is labels and k[1] != algebra.ANY_NEGATIVE and k[1] < 0), None)
                 if twin is not None:
                     aliases.setdefault(base, {})[(labels, ignore)] = twin
 
@@ -185,12 +184,12 @@ def plan(
         for base, keys in keyed_by_base.items():
             chain = r.chain(base)
             if chain.bias is not None or chain.softcap or base in extras:
-                raise A.Reject(
+                raise algebra.Reject(
                     "a vocab-parallel lm_head with a bias, a softcap or lse on its own (the vocab-parallel op has none)"
                 )
             for _, ignore in keys:
-                if ignore != A.ANY_NEGATIVE and int(ignore) >= 0:
-                    raise A.Reject(
+                if ignore != algebra.ANY_NEGATIVE and int(ignore) >= 0:
+                    raise algebra.Reject(
                         f"ignore_index={ignore}: the vocab-parallel op needs a negative one (logits gathered)"
                     )
 
@@ -223,13 +222,13 @@ def plan(
         _plan_hoist(n, anchor, position, moved)
     for node in escapes:  # class weights
         v = r.values[node]
-        if isinstance(v, A.Argmax):
+        if isinstance(v, algebra.Argmax):
             continue
-        weights = [v.weight] if isinstance(v, A.Reduced) else [k[3] for k, _ in v.terms if _is_term(k, "wce")]
+        weights = [v.weight] if isinstance(v, algebra.Reduced) else [k[3] for k, _ in v.terms if _is_term(k, "wce")]
         for w in weights:
             _plan_hoist(w, anchor, position, moved)
     return Plan(anchor, escapes, pinned_sizes, calls, aliases, loss, mode, list(moved), modes, no_grad, switch,
-                fake_mode, G.dtype(r.linear.node), in_body)  # fmt: skip
+                fake_mode, fxgraph.dtype(r.linear.node), in_body)  # fmt: skip
 
 
 def _plan_hoist(node: Any, anchor: fx.Node, position: dict[fx.Node, int], moved: dict[fx.Node, None]) -> None:
@@ -237,13 +236,13 @@ def _plan_hoist(node: Any, anchor: fx.Node, position: dict[fx.Node, int], moved:
     and only when nothing between the anchor and it writes in place into what it reads (or a view of it)."""
     if not isinstance(node, fx.Node) or node in moved or position[node] < position[anchor]:
         return
-    if node.op not in ("call_function", "call_method") or G.is_inplace(node) or node.is_impure():
-        raise A.Reject(f"{node.name} is computed after the log-probs are first used and cannot be moved")
+    if node.op not in ("call_function", "call_method") or fxgraph.is_inplace(node) or node.is_impure():
+        raise algebra.Reject(f"{node.name} is computed after the log-probs are first used and cannot be moved")
     between = list(node.graph.nodes)[position[anchor] : position[node]]
-    written = {_storage_root(m): u for u in between for m in G.mutated_args(u)}
+    written = {_storage_root(m): u for u in between for m in fxgraph.mutated_args(u)}
     for a in node.all_input_nodes:
         if _storage_root(a) in written:
-            raise A.Reject(
+            raise algebra.Reject(
                 f"{node.name} reads {a.name}, which {written[_storage_root(a)].name} changes in place after the "
                 "log-probs are first used: it cannot be moved above that"
             )
@@ -253,7 +252,7 @@ def _plan_hoist(node: Any, anchor: fx.Node, position: dict[fx.Node, int], moved:
 
 def _storage_root(node: fx.Node) -> fx.Node:
     """The node whose tensor ``node`` views (through view ops), or ``node`` itself."""
-    while G.is_view_like(node) and isinstance(node.args[0], fx.Node):
+    while fxgraph.is_view_like(node) and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
@@ -261,12 +260,12 @@ def _storage_root(node: fx.Node) -> fx.Node:
 @dataclasses.dataclass
 class _Emitted:
     results: dict[fx.Node, dict[Any, Any]]  # per base: each key's (logp, labels, ignore) and the statistics
-    builder: G.NodeBuilder
+    builder: fxgraph.NodeBuilder
     loss_call: dict[str, Any] | None
     rows: list[int]
 
 
-def _emit(gm: fx.GraphModule, r: A.Region, p: Plan, settings: Any, op: Any) -> _Emitted:
+def _emit(gm: fx.GraphModule, r: algebra.Region, p: Plan, settings: Any, op: Any) -> _Emitted:
     """Move the planned nodes up and insert the calls before the anchor."""
     graph = gm.graph
     for node in p.hoist:
@@ -276,11 +275,11 @@ def _emit(gm: fx.GraphModule, r: A.Region, p: Plan, settings: Any, op: Any) -> _
             graph.call_function(torch._C._set_grad_enabled, (True,))
     lin = r.linear
     h, weight = lin.input, lin.weight
-    b = G.NodeBuilder(graph, p.anchor, p.fake_mode, lin.node)
-    d = int(G.shape(weight)[1])
-    if G.dtype(weight) != p.compute:
+    b = fxgraph.NodeBuilder(graph, p.anchor, p.fake_mode, lin.node)
+    d = int(fxgraph.shape(weight)[1])
+    if fxgraph.dtype(weight) != p.compute:
         weight = b.call("to", weight, p.compute, method=True)
-    device = G.example_value(h).device
+    device = fxgraph.example_value(h).device
     vp = r.vocab_parallel
 
     results: dict[fx.Node, dict[Any, Any]] = {}
@@ -290,7 +289,7 @@ def _emit(gm: fx.GraphModule, r: A.Region, p: Plan, settings: Any, op: Any) -> _
     for call in p.calls:
         chain = r.chain(call.base)
         if call.base not in h_of:  # h as the base's logits view reads it: views replayed, a tensor temperature folded
-            hb = h if G.dtype(h) == p.compute else b.call("to", h, p.compute, method=True)
+            hb = h if fxgraph.dtype(h) == p.compute else b.call("to", h, p.compute, method=True)
             for view in chain.replay:
                 hb = _replay(b, hb, view, d)
             bias = chain.bias
@@ -300,26 +299,31 @@ def _emit(gm: fx.GraphModule, r: A.Region, p: Plan, settings: Any, op: Any) -> _
                     bias = b.call(operator.truediv if kind == "div" else operator.mul, bias, t)
             if chain.tensor_scales:
                 hb = b.call("to", hb, p.compute, method=True)
-                if bias is not None and G.dtype(bias) != G.dtype(chain.bias):
-                    bias = b.call("to", bias, G.dtype(chain.bias), method=True)
+                if bias is not None and fxgraph.dtype(bias) != fxgraph.dtype(chain.bias):
+                    bias = b.call("to", bias, fxgraph.dtype(chain.bias), method=True)
             h_of[call.base] = hb, bias
-            rows.append(math.prod(G.hint(s) or 0 for s in G.shape(hb)[:-1]))
+            rows.append(math.prod(fxgraph.hint(s) or 0 for s in fxgraph.shape(hb)[:-1]))
             results[call.base] = {"entropy": None, "lse": None, "zsum": None, "argmax": None}
         hb, bias = h_of[call.base]
         out = results[call.base]
         if call.key is None:
             first = b.call(operator.getitem, hb, (Ellipsis, 0))
-            labels, ignore = b.call(torch.full_like, first, A.DEFAULT_IGNORE, dtype=torch.int64), A.DEFAULT_IGNORE
+            labels, ignore = (
+                b.call(torch.full_like, first, algebra.DEFAULT_IGNORE, dtype=torch.int64),
+                algebra.DEFAULT_IGNORE,
+            )
         else:
             labels, ignore = call.key
-            ignore = _NO_IGNORE if ignore == A.ANY_NEGATIVE else ignore
-            lead = G.shape(hb)[:-1]
-            if not A.same_written_shape(G.shape(labels), lead):
-                if A.is_static(G.shape(labels)) and A.is_static(lead):  # labels of a reshaped view of these rows
-                    labels = b.call("reshape", labels, [G.static_size(s) for s in lead], method=True)
-                elif A.ndim_of(labels) == len(lead) + 1:  # a gather index [..., 1]
+            ignore = _NO_IGNORE if ignore == algebra.ANY_NEGATIVE else ignore
+            lead = fxgraph.shape(hb)[:-1]
+            if not algebra.same_written_shape(fxgraph.shape(labels), lead):
+                if algebra.is_static(fxgraph.shape(labels)) and algebra.is_static(
+                    lead
+                ):  # labels of a reshaped view of these rows
+                    labels = b.call("reshape", labels, [fxgraph.static_size(s) for s in lead], method=True)
+                elif algebra.ndim_of(labels) == len(lead) + 1:  # a gather index [..., 1]
                     labels = b.call(torch.squeeze, labels, -1)
-        ls = G.shape(labels)
+        ls = fxgraph.shape(labels)
         # the chunk setting of this compile (options= included), not the op's default read from the env
         args = [hb, weight, labels, float(temperature_of(chain)), int(ignore), call.entropy, settings.check_inputs,
                 int(settings.ce_vocab_chunk)]  # fmt: skip
@@ -342,7 +346,11 @@ def _emit(gm: fx.GraphModule, r: A.Region, p: Plan, settings: Any, op: Any) -> _
             fused = b.call(_loss_op(), *detached, *args[2:7], [], 0, int(settings.ce_loss_block_rows),
                            _grad_backend(settings, device), float(chain.softcap))  # fmt: skip
             with p.fake_mode:
-                expected = (*expected, torch.empty_like(G.example_value(hb)), torch.empty_like(G.example_value(weight)))
+                expected = (
+                    *expected,
+                    torch.empty_like(fxgraph.example_value(hb)),
+                    torch.empty_like(fxgraph.example_value(weight)),
+                )
         else:
             fused = b.call(op, *args)
         expect(fused, expected)
@@ -368,26 +376,30 @@ def _emit(gm: fx.GraphModule, r: A.Region, p: Plan, settings: Any, op: Any) -> _
     return _Emitted(results, b, loss_call, rows)
 
 
-def _rebuild(gm: fx.GraphModule, r: A.Region, p: Plan, e: _Emitted) -> None:
+def _rebuild(gm: fx.GraphModule, r: algebra.Region, p: Plan, e: _Emitted) -> None:
     """Rebuild each escaping value from the calls' outputs, finish the loss-aware call, erase the region."""
     graph, b = gm.graph, e.builder
     replaced: dict[fx.Node, fx.Node] = {}
     for node in p.escapes:
         v = r.values[node]
         out = e.results[v.base]
-        if isinstance(v, A.Reduced):
+        if isinstance(v, algebra.Reduced):
             value = _reduced_value(b, v, out, r.vocab)
-        elif isinstance(v, A.Argmax):
+        elif isinstance(v, algebra.Argmax):
             value = b.call(torch.unsqueeze, out["argmax"], -1) if v.keepdim else out["argmax"]
         else:
             value = _row_value(b, v, out, r.vocab)
-        want = G.example_value(node)
-        if not A.same_written_shape(G.shape(value), tuple(want.shape)):  # a row value of a reshaped view of the base
-            shape = [s if G.static_size(s) is None else G.static_size(s) for s in want.shape]  # pinned: as ints
+        want = fxgraph.example_value(node)
+        if not algebra.same_written_shape(
+            fxgraph.shape(value), tuple(want.shape)
+        ):  # a row value of a reshaped view of the base
+            shape = [
+                s if fxgraph.static_size(s) is None else fxgraph.static_size(s) for s in want.shape
+            ]  # pinned: as ints
             value = b.call("reshape", value, _traceable(shape), method=True)
         if node in p.no_grad and (p.modes[p.anchor] is not False or p.switch):
             value = b.call("detach", value, method=True)
-        if G.dtype(value) != want.dtype:
+        if fxgraph.dtype(value) != want.dtype:
             value = b.call("to", value, want.dtype, method=True)
         expect(value, want)
         node.replace_all_uses_with(value)
@@ -416,16 +428,16 @@ def _rebuild(gm: fx.GraphModule, r: A.Region, p: Plan, e: _Emitted) -> None:
         graph.erase_node(local)
 
 
-def _describe(r: A.Region, p: Plan, rows: list[int]) -> R.Rewrite:
+def _describe(r: algebra.Region, p: Plan, rows: list[int]) -> reporting.Rewrite:
     lin, h = r.linear, r.linear.input
     bases = list(dict.fromkeys(c.base for c in p.calls))
-    d = int(G.shape(lin.weight)[1])
+    d = int(fxgraph.shape(lin.weight)[1])
     n_rows = max(rows) if rows else 0
     temps = sorted({f"{temperature_of(r.chain(bn)):g}" for bn in bases})
     tensor_t = any(r.chain(bn).tensor_scales for bn in bases)
-    spelled = dict.fromkeys(G.op(n) for n in r.order if G.op(n) in _SPELLING_OPS)
+    spelled = dict.fromkeys(fxgraph.op(n) for n in r.order if fxgraph.op(n) in _SPELLING_OPS)
     joins = ", ".join(f"{k}" if n == 1 else f"{k} (x{n})" for k, n in collections.Counter(r.joins).items())
-    autocast = f"; autocast to {str(p.compute).replace('torch.', '')}" if p.compute != G.dtype(h) else ""
+    autocast = f"; autocast to {str(p.compute).replace('torch.', '')}" if p.compute != fxgraph.dtype(h) else ""
     biases = sorted({r.chain(bn).bias.name for bn in bases if r.chain(bn).bias is not None})
     caps = sorted({f"{r.chain(bn).softcap:g}" for bn in bases if r.chain(bn).softcap})
     autocast += f"; bias {'/'.join(biases)}" if biases else ""
@@ -439,16 +451,20 @@ def _describe(r: A.Region, p: Plan, rows: list[int]) -> R.Rewrite:
         f"{f'; vocab-parallel over {vp.world} ranks (all_reduce max + sum of the row statistics)' if vp else ''}"
         f"{f'; {p.mode}' if p.mode else ''}"
     )
-    return R.Rewrite(
+    return reporting.Rewrite(
         NAME,
-        G.module_path(lin.node),
-        shapes={"h": (n_rows, d), "weight": tuple(G.shape(lin.weight)), "N/D/V": (n_rows, d, r.vocab)},
-        dtypes={"h": str(G.dtype(h)), "weight": str(G.dtype(lin.weight)), "logits": str(G.dtype(lin.node))},
+        fxgraph.module_path(lin.node),
+        shapes={"h": (n_rows, d), "weight": tuple(fxgraph.shape(lin.weight)), "N/D/V": (n_rows, d, r.vocab)},
+        dtypes={
+            "h": str(fxgraph.dtype(h)),
+            "weight": str(fxgraph.dtype(lin.weight)),
+            "logits": str(fxgraph.dtype(lin.node)),
+        },
         detail=detail,
     )
 
 
-def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) -> tuple[LA.LossPlan | None, str]:
+def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) -> tuple[loss_aware.LossPlan | None, str]:
     """(the loss plan, "") for the loss-aware mode, or (None, "recompute mode: <why>") when the region needs grads
     but cannot have it; (None, "") when nothing needs grads (the op then runs its forward only). ``calls``: each
     base's call keys; ``body``: the higher-order op body (activation checkpoint) the region is in, or None; ``at``:
@@ -463,9 +479,9 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) ->
         why = "a vocab-parallel lm_head has no loss-aware mode"
     elif any(r.chain(base).bias is not None for base in calls):
         why = "the loss-aware op has no bias"
-    elif any(isinstance(r.values[n], A.Argmax) for n in escapes):
+    elif any(isinstance(r.values[n], algebra.Argmax) for n in escapes):
         why = "the loss-aware op has no argmax output"
-    elif any(isinstance(r.values[n], A.Row) and abs(lse_coefficient(r.values[n])) > 1e-12 for n in escapes):
+    elif any(isinstance(r.values[n], algebra.Row) and abs(lse_coefficient(r.values[n])) > 1e-12 for n in escapes):
         why = "the loss-aware op has no lse output (z-loss)"
     elif any(_smoothed_or_weighted(r.values[n]) for n in escapes):
         why = "the loss-aware op has no label smoothing (Σz) or class weights"
@@ -477,9 +493,9 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) ->
         why = "the checkpoint around it has its own context_fn (selective checkpointing) that would recompute the op"
     else:
         roots = {n: _loss_root(n, r.values[n]) for n in escapes}
-        found = LA.find_loss(roots, modes, tainted - set(escapes), r.linear.node.graph)
-        if isinstance(found, LA.LossPlan):
-            why = LA.check_externals(found, at, modes)
+        found = loss_aware.find_loss(roots, modes, tainted - set(escapes), r.linear.node.graph)
+        if isinstance(found, loss_aware.LossPlan):
+            why = loss_aware.check_externals(found, at, modes)
             if why is None:
                 return found, ""
         else:
@@ -488,39 +504,39 @@ def _loss_mode(r, escapes, calls, settings, modes, switch, tainted, body, at) ->
 
 
 def _loss_root(node: fx.Node, v: Any) -> Any:
-    if isinstance(v, A.Reduced):
-        return LA.Lin(True)
-    return LA.Tok(("row", str(G.shape(node))), True)
+    if isinstance(v, algebra.Reduced):
+        return loss_aware.Lin(True)
+    return loss_aware.Tok(("row", str(fxgraph.shape(node))), True)
 
 
-def _finish_loss_aware(graph, plan: LA.LossPlan, replaced, call: dict, fake_mode, meta_from: fx.Node) -> str:
+def _finish_loss_aware(graph, plan: loss_aware.LossPlan, replaced, call: dict, fake_mode, meta_from: fx.Node) -> str:
     """Give the loss-aware call its loss function F and route the gradient of S through the op's anchor."""
     from tilecompile.ops.fused_linear_ce import register_loss
 
     loss = replaced.get(plan.loss, plan.loss)
-    fn, externals = LA.extract(graph, (call["logp"], call["entropy"]), loss)
+    fn, externals = loss_aware.extract(graph, (call["logp"], call["entropy"]), loss)
     fused = call["fused"]
     position, moved = {n: i for i, n in enumerate(graph.nodes)}, {}
     for n in externals:  # what the rebuilt values read (labels' count for a mean CE) must precede the call: the
         try:  # plan moved the graph's own above the anchor; these are new and pure
             _plan_hoist(n, fused, position, moved)
-        except A.Reject as exc:
+        except algebra.Reject as exc:
             raise RuntimeError(f"fused_linear_ce: after the plan was accepted: {exc}") from exc
     for n in moved:
         fused.prepend(n)
     # the op has no autograd: it reads detached values (an external's own gradient, a value head's or a learnable
     # coefficient's, flows through the loss math, which stays in the graph)
-    before = G.NodeBuilder(graph, fused, fake_mode, meta_from)
+    before = fxgraph.NodeBuilder(graph, fused, fake_mode, meta_from)
     grad_free = [before.call("detach", n, method=True) if _needs_grad(n) else n for n in externals]
     fused.update_arg(7, grad_free)
     fused.update_arg(8, register_loss(fn, fn.code))
-    b = G.NodeBuilder(graph, loss.next, fake_mode, meta_from)
+    b = fxgraph.NodeBuilder(graph, loss.next, fake_mode, meta_from)
     zero = b.call(_anchor_op(), call["h"], call["weight"], *call["grads"])
-    dtype = G.dtype(loss)
+    dtype = fxgraph.dtype(loss)
     if dtype != torch.float32:  # the anchor is an fp32 zero: adding it must not promote a bf16 / fp16 loss
         zero = b.call("to", zero, dtype, method=True)
     with_anchor = b.call(operator.add, loss, zero)
-    expect(with_anchor, G.example_value(loss))
+    expect(with_anchor, fxgraph.example_value(loss))
     loss.replace_all_uses_with(with_anchor, delete_user_cb=lambda u: u is not with_anchor)
     return f"loss-aware mode (3 GEMMs: grads in the forward for the loss {plan.loss.name})"
 
@@ -534,7 +550,7 @@ def _grad_backend(settings: Any, device: torch.device) -> str:
 
 
 def _needs_grad(node: fx.Node) -> bool:
-    return bool(getattr(G.example_value(node), "requires_grad", False))
+    return bool(getattr(fxgraph.example_value(node), "requires_grad", False))
 
 
 # where torch.compile's activation checkpointing looks for a selective-checkpoint policy of a checkpoint body
@@ -588,9 +604,9 @@ def _anchor_op() -> Any:
 
 
 def _output_name(v: Any) -> str:
-    if isinstance(v, A.Argmax):
+    if isinstance(v, algebra.Argmax):
         return "argmax"
-    if isinstance(v, A.Reduced):
+    if isinstance(v, algebra.Reduced):
         extra = f", label_smoothing={v.smoothing:g}" if v.smoothing else ""
         extra += ", class weights" if v.weight is not None else ""
         return f"cross_entropy {v.reduction} (ignore_index={v.ignore}{extra})"
@@ -620,7 +636,7 @@ def _traceable(shape: list) -> list:
     return shape
 
 
-def lse_coefficient(v: A.Row) -> float:
+def lse_coefficient(v: algebra.Row) -> float:
     """The coefficient of lse in a row value once its terms are written in logp, H and lse: z_y = logp + lse and
     Σ p·z = lse − H each bring one (a log-prob or an entropy alone has none; a z-loss term does)."""
     t = dict(v.terms)
@@ -632,12 +648,12 @@ def _is_term(k: Any, kind: str) -> bool:
 
 
 def _smoothed_or_weighted(v: Any) -> bool:
-    if isinstance(v, A.Reduced):
+    if isinstance(v, algebra.Reduced):
         return bool(v.smoothing) or v.weight is not None
     return any(k == "zsum" or (isinstance(k, tuple) and k[0] in ("wce", "smooth")) for k, _ in v.terms)
 
 
-def _class_weight(b: G.NodeBuilder, weight: fx.Node, labels: fx.Node, ignore: int) -> fx.Node:
+def _class_weight(b: fxgraph.NodeBuilder, weight: fx.Node, labels: fx.Node, ignore: int) -> fx.Node:
     """weight[labels] at active rows, 0 at ignored ones (fp32), as nll_loss weighs them."""
     active = b.call(operator.ne, labels, ignore)
     safe = b.call(torch.where, active, labels, 0)
@@ -645,13 +661,13 @@ def _class_weight(b: G.NodeBuilder, weight: fx.Node, labels: fx.Node, ignore: in
     return b.call(torch.where, active, picked, 0.0)
 
 
-def _smooth_term(b: G.NodeBuilder, out: dict[Any, Any], labels: fx.Node, ignore: int, vocab: int) -> fx.Node:
+def _smooth_term(b: fxgraph.NodeBuilder, out: dict[Any, Any], labels: fx.Node, ignore: int, vocab: int) -> fx.Node:
     """Label smoothing's −Σ_j log p_j / V = lse − Σ_j z_j / V at active rows, 0 at ignored ones."""
     per_row = b.call(operator.sub, out["lse"], b.call(operator.truediv, out["zsum"], float(vocab)))
     return b.call(torch.where, b.call(operator.ne, labels, ignore), per_row, 0.0)
 
 
-def _reduced_value(b: G.NodeBuilder, v: A.Reduced, out: dict[Any, Any], vocab: int) -> fx.Node:
+def _reduced_value(b: fxgraph.NodeBuilder, v: algebra.Reduced, out: dict[Any, Any], vocab: int) -> fx.Node:
     """``F.cross_entropy(..., reduction="sum" | "mean")``: Σ (1 − ε)·w_y·(−logp) + ε·smooth over the active rows,
     divided (mean) by Σ w_y (the active rows' count without weights), as torch computes it."""
     logp, labels, ignore = out[(v.labels, v.ignore)]
@@ -673,14 +689,14 @@ def _reduced_value(b: G.NodeBuilder, v: A.Reduced, out: dict[Any, Any], vocab: i
     return total
 
 
-def _row_value(b: G.NodeBuilder, v: A.Row, out: dict[Any, Any], vocab: int) -> fx.Node:
+def _row_value(b: fxgraph.NodeBuilder, v: algebra.Row, out: dict[Any, Any], vocab: int) -> fx.Node:
     t = dict(v.terms)
     parts: list[tuple[fx.Node, float]] = []
     if abs(lse_coefficient(v)) > 1e-12:
         parts.append((out["lse"], lse_coefficient(v)))
     for k, c in t.items():
         if isinstance(k, tuple) and k[0] == "zy":
-            parts.append((out[(k[1], A.ANY_NEGATIVE)][0], c))  # c · logp (its −c·lse is cancelled by the check)
+            parts.append((out[(k[1], algebra.ANY_NEGATIVE)][0], c))  # c · logp (its −c·lse is cancelled by the check)
         elif isinstance(k, tuple) and k[0] == "ce":
             parts.append((out[(k[1], k[2])][0], -c))
         elif isinstance(k, tuple) and k[0] == "wce":

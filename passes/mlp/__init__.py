@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from tilecompile import graph as G
+from tilecompile import graph as fxgraph
 from tilecompile.pass_api import PassContext, PassResult
 from tilecompile.passes.mlp.common import NAME
 from tilecompile.passes.mlp.dense import run_dense
@@ -23,7 +23,7 @@ __all__ = ["NAME", "run"]
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    markers = [i for n, i in order.items() if G.is_autocast_marker(n)]
+    markers = [i for n, i in order.items() if fxgraph.is_autocast_marker(n)]
     changed = run_experts(gm, ctx, result, order, markers)
     changed = run_dense(gm, ctx, result, order, markers) or changed
     if changed:

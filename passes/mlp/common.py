@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from tilecompile import graph as G
+from tilecompile import graph as fxgraph
 
 NAME = "tiled_mlp"
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -16,7 +16,7 @@ def plus_zero(node: fx.Node) -> fx.Node:
     """``v + 0.0`` (or ``0 + v``, ``v - 0``) is ``v`` itself: Megatron-Core's GLU adds ``glu_linear_offset`` (0.0
     by default) to the up projection. Adding a literal zero changes no value but the sign of a zero, and its
     gradient is the identity, so the tiled op (which leaves it out) computes the same function."""
-    name = G.op(node)
+    name = fxgraph.op(node)
     if name not in ("add", "sub") or len(node.args) != 2 or node.kwargs:
         return node
     a, b = node.args
@@ -54,9 +54,9 @@ def common_stack(nodes: frozenset[fx.Node]) -> list[tuple[str, object]]:
 
 
 def size(s):
-    h = G.hint(s)
+    h = fxgraph.hint(s)
     return s if h is None else h
 
 
 def path(nodes) -> str:
-    return G.common_module_path(n for n in nodes if isinstance(n, fx.Node))
+    return fxgraph.common_module_path(n for n in nodes if isinstance(n, fx.Node))

@@ -36,13 +36,13 @@ import torch
 import torch.fx as fx
 
 import tilecompile.ops.tiled_mlp  # noqa: F401 - registers torch.ops.tilecompile.tiled_gated_mlp
-from tilecompile import graph as G
-from tilecompile import reporting as R
+from tilecompile import graph as fxgraph
+from tilecompile import reporting
 from tilecompile.config import Settings
 from tilecompile.pass_api import PassContext, PassResult, expect
-from tilecompile.passes.mlp import common as C
+from tilecompile.passes.mlp import common
 
-NAME, ACTIVATIONS = C.NAME, C.ACTIVATIONS
+NAME, ACTIVATIONS = common.NAME, common.ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Projection:
     """``gate(x)`` or ``up(x)``: a linear, or rows ``[start, stop)`` of a fused linear's output features."""
 
     node: fx.Node  # what the gate multiply (or activation) reads
-    linear: G.Linear
+    linear: fxgraph.Linear
     start: int | None = None
     stop: int | None = None
 
@@ -61,9 +61,9 @@ class Projection:
 
 @dataclasses.dataclass(frozen=True)
 class GatedMLP:
-    down: G.Linear
+    down: fxgraph.Linear
     mul: fx.Node
-    act: G.Activation
+    act: fxgraph.Activation
     gate: Projection
     up: Projection
     region: frozenset[fx.Node]  # every node the op replaces, ``down.node`` included
@@ -83,12 +83,12 @@ class GatedMLP:
 def as_projection(node: object) -> Projection | None:
     if not isinstance(node, fx.Node):
         return None
-    node = C.plus_zero(node)
-    lin = G.as_affine(node)
+    node = common.plus_zero(node)
+    lin = fxgraph.as_affine(node)
     if lin is not None:
         return Projection(node, lin)
-    part = G.as_last_dim_slice(node)
-    lin = G.as_affine(part.source) if part is not None else None
+    part = fxgraph.as_last_dim_slice(node)
+    lin = fxgraph.as_affine(part.source) if part is not None else None
     if lin is not None:
         return Projection(node, lin, part.start, part.stop)
     return None
@@ -97,23 +97,23 @@ def as_projection(node: object) -> Projection | None:
 def match(node: fx.Node) -> GatedMLP | str | None:
     """A gated MLP ending in ``node`` (its down projection); a reason when it looks like an MLP but is not one
     this pass can tile; None when ``node`` is not an MLP's down projection at all."""
-    down = G.as_affine(node)
+    down = fxgraph.as_affine(node)
     if down is None or _bias_added_later(down):
         return None
     h = down.input
-    act = G.as_activation(h)
+    act = fxgraph.as_activation(h)
     if act is not None and as_projection(act.input) is not None:
         return f"not gated: down({act.kind}(linear(x))) has no gate multiply (nothing to tile)"
-    if G.op(h) != "mul" or len(h.args) != 2 or h.kwargs:
+    if fxgraph.op(h) != "mul" or len(h.args) != 2 or h.kwargs:
         return None
     a, b = h.args
     if not all(isinstance(t, fx.Node) for t in (a, b)):
         factor = a if isinstance(a, fx.Node) else b
-        act = G.as_activation(factor) if isinstance(factor, fx.Node) else None
+        act = fxgraph.as_activation(factor) if isinstance(factor, fx.Node) else None
         if act is not None and as_projection(act.input) is not None:
             return f"not gated: down({act.kind}(linear(x)) * a constant) has no gate multiply (nothing to tile)"
         return None
-    acts = [(G.as_activation(p), q) for p, q in ((a, b), (b, a))]
+    acts = [(fxgraph.as_activation(p), q) for p, q in ((a, b), (b, a))]
     if not any(act for act, _ in acts) and not any(as_projection(t) for t in (a, b)):
         return None  # e.g. an RMSNorm's weight * hidden feeding a linear
     reasons = []
@@ -131,7 +131,7 @@ def match(node: fx.Node) -> GatedMLP | str | None:
             return GatedMLP(down, h, act, gate, up, _region(node, down, gate, up))
     if reasons:
         return reasons[0]
-    kinds = ", ".join(str(G.op(t) or t.op) for t in (a, b))
+    kinds = ", ".join(str(fxgraph.op(t) or t.op) for t in (a, b))
     return f"gate multiply of ({kinds}): neither factor is {'/'.join(ACTIVATIONS)} of a linear"
 
 
@@ -140,20 +140,27 @@ def _adapted(node: fx.Node, role: str) -> str | None:
     both reading the same ``x`` (the adapter maybe through dropout) and the adapter's rank below the projection's
     input width (PEFT's LoRA: ``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``, then cast back to the
     base's dtype); None otherwise."""
-    node = G.strip_casts(node)
-    if G.op(node) != "add" or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+    node = fxgraph.strip_casts(node)
+    if fxgraph.op(node) != "add" or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
         return None
     for base, extra in (node.args, node.args[::-1]):
-        if G.op(extra) == "mul" and len(extra.args) == 2:  # the scaling: a constant, or a 0-d tensor
-            extra = max((a for a in extra.args if isinstance(a, fx.Node)), key=lambda a: len(G.shape(a) or ()),
+        if fxgraph.op(extra) == "mul" and len(extra.args) == 2:  # the scaling: a constant, or a 0-d tensor
+            extra = max((a for a in extra.args if isinstance(a, fx.Node)), key=lambda a: len(fxgraph.shape(a) or ()),
                         default=extra)  # fmt: skip
-        outer = G.as_affine(G.strip_casts(extra))
-        inner = G.as_affine(G.strip_casts(outer.input)) if outer is not None else None
-        projection = as_projection(G.strip_casts(base))
+        outer = fxgraph.as_affine(fxgraph.strip_casts(extra))
+        inner = fxgraph.as_affine(fxgraph.strip_casts(outer.input)) if outer is not None else None
+        projection = as_projection(fxgraph.strip_casts(base))
         if projection is None or inner is None:
             continue
-        rank, width = (G.shape(inner.weight) or (None, None))[0], (G.shape(projection.linear.weight) or (None,))[-1]
-        low_rank = G.hint(rank) is not None and G.hint(width) is not None and G.hint(rank) < G.hint(width)
+        rank, width = (
+            (fxgraph.shape(inner.weight) or (None, None))[0],
+            (fxgraph.shape(projection.linear.weight) or (None,))[-1],
+        )
+        low_rank = (
+            fxgraph.hint(rank) is not None
+            and fxgraph.hint(width) is not None
+            and fxgraph.hint(rank) < fxgraph.hint(width)
+        )
         if low_rank and _input_of(inner.input) is _input_of(projection.linear.input):
             return (
                 f"the {role} projection has a low-rank adapter added to it ({node.name} = linear(x) + "
@@ -164,22 +171,22 @@ def _adapted(node: fx.Node, role: str) -> str | None:
 
 def _input_of(node: fx.Node) -> fx.Node:
     """``node`` back through casts and dropout (an adapter reads ``dropout(x)``, the projection ``x``)."""
-    node = G.strip_casts(node)
-    while isinstance(node, fx.Node) and G.op(node) == "dropout" and node.args:
-        node = G.strip_casts(node.args[0])
+    node = fxgraph.strip_casts(node)
+    while isinstance(node, fx.Node) and fxgraph.op(node) == "dropout" and node.args:
+        node = fxgraph.strip_casts(node.args[0])
     return node
 
 
-def _bias_added_later(lin: G.Linear) -> bool:
+def _bias_added_later(lin: fxgraph.Linear) -> bool:
     """``lin`` is the matmul of ``x @ w.t() + b``: the add is the down projection, not this node."""
     if lin.bias is not None or len(lin.node.users) != 1:
         return False
     (user,) = lin.node.users
-    outer = G.as_affine(user)
+    outer = fxgraph.as_affine(user)
     return outer is not None and outer.weight is lin.weight
 
 
-def _region(end: fx.Node, down: G.Linear, gate: Projection, up: Projection) -> frozenset[fx.Node]:
+def _region(end: fx.Node, down: fxgraph.Linear, gate: Projection, up: Projection) -> frozenset[fx.Node]:
     """The nodes between the MLP's inputs (x, weights, biases) and ``end``."""
     leaves = {gate.linear.input, up.linear.input}
     for lin in (gate.linear, up.linear, down):
@@ -191,7 +198,7 @@ def _region(end: fx.Node, down: G.Linear, gate: Projection, up: Projection) -> f
             continue
         region.add(n)
         if n.op not in ("placeholder", "get_attr"):
-            todo += G.tensor_args(n)
+            todo += fxgraph.tensor_args(n)
     return frozenset(region)
 
 
@@ -207,7 +214,7 @@ def check_same_input(m: GatedMLP) -> str | None:
 def check_weights_are_inputs(m: GatedMLP) -> str | None:
     for role, lin in (("gate", m.gate.linear), ("up", m.up.linear), ("down", m.down)):
         for kind, t in (("weight", lin.weight), ("bias", lin.bias)):
-            if t is not None and G.graph_input(t) is None:
+            if t is not None and fxgraph.graph_input(t) is None:
                 return f"{role} {kind} {t.name} is computed in the graph, not a graph input (parameter)"
     return None
 
@@ -216,17 +223,17 @@ def check_inside_region(m: GatedMLP) -> str | None:
     for n in m.region - {m.down.node}:
         if n.op in ("placeholder", "get_attr"):
             return f"{n.name} reached through the MLP is an input other than x and the weights"
-        if G.graph_input(n) is not None:
+        if fxgraph.graph_input(n) is not None:
             continue  # a view or cast of a weight (w.t()): not an intermediate, left alone if shared
-        outside = G.users_outside(n, m.region)
+        outside = fxgraph.users_outside(n, m.region)
         if outside:
             return f"intermediate {n.name} is also used outside the MLP (by {', '.join(u.name for u in outside)})"
     return None
 
 
 def check_shapes(m: GatedMLP) -> str | None:
-    x, g, u, h, y = (G.shape(n) for n in (m.x, m.gate.node, m.up.node, m.mul, m.down.node))
-    wg, wu, wd = (G.shape(lin.weight) for lin in (m.gate.linear, m.up.linear, m.down))
+    x, g, u, h, y = (fxgraph.shape(n) for n in (m.x, m.gate.node, m.up.node, m.mul, m.down.node))
+    wg, wu, wd = (fxgraph.shape(lin.weight) for lin in (m.gate.linear, m.up.linear, m.down))
     if None in (x, g, u, h, y, wg, wu, wd):
         return "missing example values (shapes unknown)"
     if not (_same(g, u) and _same(g, h)):
@@ -243,8 +250,10 @@ def check_dtypes(m: GatedMLP) -> str | None:
     # Every computed value in the region, not only the named steps: under autocast ``x @ w.t() + b`` is a bf16
     # matmul and an fp32 add, a precision chain the op (one compute dtype) would not reproduce. Views and casts
     # of the weights keep the weights' dtype and are left out.
-    computed = [n for n in m.region if G.graph_input(n) is None and isinstance(G.example_value(n), torch.Tensor)]
-    inner = {G.dtype(n) for n in (m.gate.node, m.up.node, m.act.node, m.mul, m.down.node, *computed)}
+    computed = [
+        n for n in m.region if fxgraph.graph_input(n) is None and isinstance(fxgraph.example_value(n), torch.Tensor)
+    ]
+    inner = {fxgraph.dtype(n) for n in (m.gate.node, m.up.node, m.act.node, m.mul, m.down.node, *computed)}
     if len(inner) != 1 or None in inner:
         return f"mixed dtypes inside the MLP ({', '.join(sorted(str(d) for d in inner))}): casts the op would drop"
     compute = inner.pop()
@@ -252,7 +261,7 @@ def check_dtypes(m: GatedMLP) -> str | None:
         return f"compute dtype {compute} is not floating point"
     linears = (m.gate.linear, m.up.linear, m.down)
     inputs = [m.x] + [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
-    if any(not (G.dtype(t) or torch.int64).is_floating_point for t in inputs):
+    if any(not (fxgraph.dtype(t) or torch.int64).is_floating_point for t in inputs):
         return "an input of the MLP is not a floating-point tensor"
     return None
 
@@ -260,7 +269,7 @@ def check_dtypes(m: GatedMLP) -> str | None:
 def check_min_tokens(m: GatedMLP, min_tokens: int) -> str | None:
     if not min_tokens:
         return None
-    shape = G.shape(m.x)
+    shape = fxgraph.shape(m.x)
     sizes = shape[:-1] if shape else (None,)
     if any(s is None for s in sizes):  # an unknown size is not a reason to skip
         return None
@@ -277,7 +286,7 @@ def check_min_tokens(m: GatedMLP, min_tokens: int) -> str | None:
 
 
 def _tokens(x: fx.Node) -> int | None:
-    sizes = [G.hint(s) for s in (G.shape(x) or ())[:-1]]
+    sizes = [fxgraph.hint(s) for s in (fxgraph.shape(x) or ())[:-1]]
     return None if None in sizes else math.prod(sizes)
 
 
@@ -285,22 +294,22 @@ def _rows(p: Projection):
     """The intermediate size I a projection produces: an int, or the weight's own (possibly symbolic) size."""
     if p.sliced:
         return p.stop - p.start
-    return G.shape(p.linear.weight)[0]
+    return fxgraph.shape(p.linear.weight)[0]
 
 
 def _same(a: tuple, b: tuple) -> bool:
     """Equal sizes: provably equal for every value the symbols may take (never merely equal hints)."""
-    return G.same_shape(a, b)
+    return fxgraph.same_shape(a, b)
 
 
 # --------------------------------------------------------------------------------------------------- rewrite
 
 
-def rewrite(gm: fx.GraphModule, m: GatedMLP, ctx: PassContext) -> R.Rewrite:
+def rewrite(gm: fx.GraphModule, m: GatedMLP, ctx: PassContext) -> reporting.Rewrite:
     graph, end = gm.graph, m.down.node
-    compute = G.dtype(end)
-    fake_mode = getattr(G.example_value(end), "fake_mode", None) or contextlib.nullcontext()
-    stack = C.common_stack(m.region)
+    compute = fxgraph.dtype(end)
+    fake_mode = getattr(fxgraph.example_value(end), "fake_mode", None) or contextlib.nullcontext()
+    stack = common.common_stack(m.region)
     new_nodes: list[fx.Node] = []
 
     def add(target, *args, method: bool = False, **kwargs) -> fx.Node:
@@ -311,7 +320,7 @@ def rewrite(gm: fx.GraphModule, m: GatedMLP, ctx: PassContext) -> R.Rewrite:
     def operand(t: fx.Node | None, rows: tuple[int, int] | None = None) -> fx.Node | None:
         if t is None:
             return None
-        value = G.example_value(t)
+        value = fxgraph.example_value(t)
         with fake_mode:  # the graph's own mode (the tracing context may hold another)
             if rows is not None:
                 t = add(operator.getitem, t, slice(*rows))
@@ -345,22 +354,22 @@ def rewrite(gm: fx.GraphModule, m: GatedMLP, ctx: PassContext) -> R.Rewrite:
             node.meta["nn_module_stack"] = dict(stack)
         if "stack_trace" in end.meta:
             node.meta["stack_trace"] = end.meta["stack_trace"]
-    expect(tiled, G.example_value(end))
+    expect(tiled, fxgraph.example_value(end))
     end.replace_all_uses_with(tiled)
-    C.erase_dead(graph, m.region)
+    common.erase_dead(graph, m.region)
     return _record(m, compute, s)
 
 
-def _record(m: GatedMLP, compute: torch.dtype, s: Settings) -> R.Rewrite:
-    shapes = {"x": G.shape(m.x), "out": G.shape(m.down.node)}
+def _record(m: GatedMLP, compute: torch.dtype, s: Settings) -> reporting.Rewrite:
+    shapes = {"x": fxgraph.shape(m.x), "out": fxgraph.shape(m.down.node)}
     for role, p in (("gate", m.gate), ("up", m.up)):
-        w = G.shape(p.linear.weight)
+        w = fxgraph.shape(p.linear.weight)
         shapes[f"{role}_weight"] = (p.stop - p.start, *w[1:]) if p.sliced else w
-    shapes["down_weight"] = G.shape(m.down.weight)
+    shapes["down_weight"] = fxgraph.shape(m.down.weight)
     if m.fused:
-        shapes["gate_up_weight"] = G.shape(m.gate.linear.weight)
-    shapes = {k: tuple(C.size(i) for i in v) for k, v in shapes.items()}
-    dtypes = {"x": str(G.dtype(m.x)), "weight": str(G.dtype(m.down.weight)), "compute": str(compute)}
+        shapes["gate_up_weight"] = fxgraph.shape(m.gate.linear.weight)
+    shapes = {k: tuple(common.size(i) for i in v) for k, v in shapes.items()}
+    dtypes = {"x": str(fxgraph.dtype(m.x)), "weight": str(fxgraph.dtype(m.down.weight)), "compute": str(compute)}
     biases = [r for r, lin in (("gate", m.gate.linear), ("up", m.up.linear), ("down", m.down)) if lin.bias is not None]
     detail = (
         f"activation={m.act.kind} fused={'gate_up' if m.fused else 'no'} bias={','.join(biases) or 'none'} "
@@ -368,7 +377,7 @@ def _record(m: GatedMLP, compute: torch.dtype, s: Settings) -> R.Rewrite:
     )
     if dtypes["x"] != dtypes["compute"] or dtypes["weight"] != dtypes["compute"]:
         detail += f" autocast: inputs cast to {compute}"
-    return R.Rewrite(NAME, C.path(m.region), shapes, dtypes, detail)
+    return reporting.Rewrite(NAME, common.path(m.region), shapes, dtypes, detail)
 
 
 # ------------------------------------------------------------------------------------------------------- run
@@ -393,15 +402,15 @@ def run_dense(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: d
                 check_inside_region,
                 check_shapes,
                 check_dtypes,
-                lambda m: C.check_no_autocast_edge(m, order, markers),
+                lambda m: common.check_no_autocast_edge(m, order, markers),
                 lambda m: check_min_tokens(m, ctx.settings.mlp_min_tokens),
             )
             reason = next((r for r in (c(m) for c in checks) if r), None)
-        candidate = f"down projection {G.module_path(node) or node.name}"
+        candidate = f"down projection {fxgraph.module_path(node) or node.name}"
         result.consider(node, candidate)
         if reason is not None:
-            path = C.path(m.region) if isinstance(m, GatedMLP) else C.path([node, *node.args[:1]])
-            result.skip(node, R.Skip(NAME, candidate, path, reason))
+            path = common.path(m.region) if isinstance(m, GatedMLP) else common.path([node, *node.args[:1]])
+            result.skip(node, reporting.Skip(NAME, candidate, path, reason))
             continue
         result.rewrote(node, rewrite(gm, m, ctx))
         order.update({n: order[m.down.node] for n in gm.graph.nodes if n not in order})

@@ -47,12 +47,12 @@ import torch
 import torch.fx as fx
 
 import tilecompile.ops.tiled_grouped_mlp  # noqa: F401 - registers torch.ops.tilecompile.tiled_grouped_mlp
-from tilecompile import graph as G
-from tilecompile import reporting as R
+from tilecompile import graph as fxgraph
+from tilecompile import reporting
 from tilecompile.pass_api import PassContext, PassResult, expect
-from tilecompile.passes.mlp import common as C
+from tilecompile.passes.mlp import common
 
-NAME = C.NAME
+NAME = common.NAME
 _GROUPED_MM = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
 
 
@@ -74,11 +74,11 @@ class GroupedMM:
 
     @property
     def out_features(self):
-        return G.shape(self.weight)[2 if self.form == "grouped" else 1]
+        return fxgraph.shape(self.weight)[2 if self.form == "grouped" else 1]
 
     @property
     def in_features(self):
-        return G.shape(self.weight)[1 if self.form == "grouped" else 2]
+        return fxgraph.shape(self.weight)[1 if self.form == "grouped" else 2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +105,7 @@ class GroupedProjection:
 class GroupedMLP:
     down: GroupedMM
     mul: fx.Node
-    act: G.Activation
+    act: fxgraph.Activation
     gate: GroupedProjection
     up: GroupedProjection
     region: frozenset[fx.Node]  # every node the op replaces, ``down.node`` included
@@ -138,16 +138,16 @@ def as_grouped_mm(node: object) -> GroupedMM | None:
     """A grouped matmul of 2-D rows by 3-D stacked weights with offsets, no bias, no output cast."""
     if not isinstance(node, fx.Node) or not is_grouped_mm_call(node):
         return None
-    a = G.arg(node, 0, "mat_a", node.kwargs.get("input", node.kwargs.get("self")))
-    b = G.arg(node, 1, "mat_b", node.kwargs.get("weight", node.kwargs.get("mat2")))
-    offs = G.arg(node, 2, "offs")
+    a = fxgraph.arg(node, 0, "mat_a", node.kwargs.get("input", node.kwargs.get("self")))
+    b = fxgraph.arg(node, 1, "mat_b", node.kwargs.get("weight", node.kwargs.get("mat2")))
+    offs = fxgraph.arg(node, 2, "offs")
     extra = {k: v for k, v in node.kwargs.items() if k not in ("mat_a", "mat_b", "input", "weight", "self", "mat2")}
     extra.pop("offs", None)
     if any(v is not None for v in (*node.args[3:], *extra.values())):
         return None  # a bias or an out_dtype
     if not all(isinstance(t, fx.Node) for t in (a, b, offs)):
         return None
-    if len(G.shape(a) or ()) != 2 or len(G.shape(b) or ()) != 3 or len(G.shape(offs) or ()) != 1:
+    if len(fxgraph.shape(a) or ()) != 2 or len(fxgraph.shape(b) or ()) != 3 or len(fxgraph.shape(offs) or ()) != 1:
         return None
     return GroupedMM(node, a, b, offs)
 
@@ -155,19 +155,25 @@ def as_grouped_mm(node: object) -> GroupedMM | None:
 def as_gathered_mm(node: object) -> GroupedMM | None:
     """``bmm(W[ids], x.unsqueeze(-1)).squeeze(-1)``: each row of x [S, K] times its expert's weight W[ids[s]]
     [N, K] (W a stacked [E, N, K] graph input, ids [S] integer), HF's ``batched_mm`` experts."""
-    if not isinstance(node, fx.Node) or G.op(node) != "squeeze" or len(node.args) != 2 or node.kwargs:
+    if not isinstance(node, fx.Node) or fxgraph.op(node) != "squeeze" or len(node.args) != 2 or node.kwargs:
         return None
     mm = node.args[0]
-    if not isinstance(mm, fx.Node) or G.op(mm) != "matmul" or len(mm.args) != 2 or mm.kwargs or len(mm.users) != 1:
+    if (
+        not isinstance(mm, fx.Node)
+        or fxgraph.op(mm) != "matmul"
+        or len(mm.args) != 2
+        or mm.kwargs
+        or len(mm.users) != 1
+    ):
         return None  # torch.bmm reads as matmul
     w, v = mm.args
-    if not _gathered_expert_weight(w) or not isinstance(v, fx.Node) or G.op(v) != "unsqueeze" or len(v.args) != 2:
+    if not _gathered_expert_weight(w) or not isinstance(v, fx.Node) or fxgraph.op(v) != "unsqueeze" or len(v.args) != 2:
         return None
     x = v.args[0]
-    s, x_shape = G.shape(node), G.shape(x)
+    s, x_shape = fxgraph.shape(node), fxgraph.shape(x)
     if not isinstance(x, fx.Node) or x_shape is None or len(x_shape) != 2 or s is None or len(s) != 2:
         return None
-    if G.normalize_dim(node.args[1], 3) != 2 or G.normalize_dim(v.args[1], 3) != 2:
+    if fxgraph.normalize_dim(node.args[1], 3) != 2 or fxgraph.normalize_dim(v.args[1], 3) != 2:
         return None
     return GroupedMM(node, x, w.args[0], w.args[1], form="gathered")
 
@@ -178,10 +184,10 @@ def as_expert_mm(node: object) -> GroupedMM | None:
 
 def as_zero_fill(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``masked_fill(source, mask, 0)`` (method or function; a literal +0 fill): ``(source, mask)``."""
-    if G.op(node) != "masked_fill":
+    if fxgraph.op(node) != "masked_fill":
         return None
-    source, mask = G.arg(node, 0, "input", node.kwargs.get("self")), G.arg(node, 1, "mask")
-    value = G.arg(node, 2, "value")
+    source, mask = fxgraph.arg(node, 0, "input", node.kwargs.get("self")), fxgraph.arg(node, 1, "mask")
+    value = fxgraph.arg(node, 2, "value")
     if len(node.args) + len(node.kwargs) != 3 or not all(isinstance(t, fx.Node) for t in (source, mask)):
         return None
     if not isinstance(value, int | float) or value != 0 or math.copysign(1.0, value) < 0:
@@ -194,14 +200,14 @@ def as_grouped_projection(node: object) -> GroupedProjection | None:
     the slice)."""
     if not isinstance(node, fx.Node):
         return None
-    node = C.plus_zero(node)
+    node = common.plus_zero(node)
     read = node
     fill = as_zero_fill(node)
     node, mask = fill if fill is not None else (node, None)
     mm = as_expert_mm(node)
     if mm is not None:
         return GroupedProjection(read, mm, mask=mask)
-    part = G.as_last_dim_slice(node)
+    part = fxgraph.as_last_dim_slice(node)
     if part is None:
         return None
     source = part.source
@@ -222,20 +228,20 @@ def match(node: fx.Node) -> GroupedMLP | str | None:
         return "grouped_mm with a bias, an out_dtype, or operands other than [S, K] rows, [E, K, N] weights, offs"
     if down is None:
         return None
-    h = G.strip_casts(down.input)
+    h = fxgraph.strip_casts(down.input)
     if as_grouped_projection(h) is not None:
         return None
-    act = G.as_activation(h)
+    act = fxgraph.as_activation(h)
     if act is not None and as_grouped_projection(act.input) is not None:
         return f"experts not gated: down({act.kind}(grouped_mm(x))) has no gate multiply (nothing to tile)"
-    if G.op(h) != "mul":
+    if fxgraph.op(h) != "mul":
         return None  # not a down projection (a gate/up projection of the routed rows, or another grouped matmul)
     if len(h.args) != 2 or h.kwargs or not all(isinstance(t, fx.Node) for t in h.args):
         return f"the down grouped_mm's input {h.name} is a product with a constant, not act(gate) * up"
     a, b = h.args
     reasons = []
     for factor, other in ((a, b), (b, a)):
-        act = G.as_activation(factor)
+        act = fxgraph.as_activation(factor)
         if act is None:
             continue
         gate, up = as_grouped_projection(act.input), as_grouped_projection(other)
@@ -247,7 +253,7 @@ def match(node: fx.Node) -> GroupedMLP | str | None:
             return GroupedMLP(down, h, act, gate, up, _region(node, down, gate, up))
     if reasons:
         return reasons[0]
-    return f"gate multiply of the down grouped_mm: neither factor is {'/'.join(C.ACTIVATIONS)} of a grouped_mm"
+    return f"gate multiply of the down grouped_mm: neither factor is {'/'.join(common.ACTIVATIONS)} of a grouped_mm"
 
 
 def _region(end: fx.Node, down: GroupedMM, gate: GroupedProjection, up: GroupedProjection) -> frozenset[fx.Node]:
@@ -261,48 +267,48 @@ def _region(end: fx.Node, down: GroupedMM, gate: GroupedProjection, up: GroupedP
             continue
         region.add(n)
         if n.op not in ("placeholder", "get_attr"):
-            todo += G.tensor_args(n)
+            todo += fxgraph.tensor_args(n)
     return frozenset(region)
 
 
 def _projections_read_by(down: fx.Node) -> set[fx.Node]:
     """The expert matmuls that the down projection ``down`` reads as act(p), p, or the factors of a product."""
     mm = as_expert_mm(down)
-    h = G.strip_casts(mm.input if mm is not None else G.arg(down, 0, "mat_a"))
-    near = [h, *(h.args if isinstance(h, fx.Node) and G.op(h) == "mul" else ())]
+    h = fxgraph.strip_casts(mm.input if mm is not None else fxgraph.arg(down, 0, "mat_a"))
+    near = [h, *(h.args if isinstance(h, fx.Node) and fxgraph.op(h) == "mul" else ())]
     found = set()
     for t in near:
-        act = G.as_activation(t) if isinstance(t, fx.Node) else None
+        act = fxgraph.as_activation(t) if isinstance(t, fx.Node) else None
         p = as_grouped_projection(act.input if act is not None else t)
         if p is not None:
-            found |= {p.mm.node, *G.tensor_args(p.mm.node)} if p.mm.form == "gathered" else {p.mm.node}
+            found |= {p.mm.node, *fxgraph.tensor_args(p.mm.node)} if p.mm.form == "gathered" else {p.mm.node}
     return found
 
 
 def as_batched_expert_down(node: fx.Node) -> bool:
     """``bmm(W[ids], h.unsqueeze(-1))`` (or ``bmm(h.unsqueeze(1), W[ids])``) with ``W`` a stacked [E, ...] graph
     input gathered per row and ``h`` a product: the down projection of HF's ``batched_mm`` experts."""
-    if G.op(node) != "matmul" or len(node.args) < 2:  # torch.bmm reads as matmul
+    if fxgraph.op(node) != "matmul" or len(node.args) < 2:  # torch.bmm reads as matmul
         return False
     gathered = vector = None
     for w, v in (node.args[:2], node.args[1::-1]):
         if _gathered_expert_weight(w):
             gathered, vector = w, v
-    if gathered is None or not isinstance(vector, fx.Node) or G.op(vector) != "unsqueeze":
+    if gathered is None or not isinstance(vector, fx.Node) or fxgraph.op(vector) != "unsqueeze":
         return False
-    h = G.strip_casts(vector.args[0])
-    return isinstance(h, fx.Node) and G.op(h) == "mul"
+    h = fxgraph.strip_casts(vector.args[0])
+    return isinstance(h, fx.Node) and fxgraph.op(h) == "mul"
 
 
 def _gathered_expert_weight(node: object) -> bool:
-    if not isinstance(node, fx.Node) or G.op(node) != "getitem" or not isinstance(node.args[0], fx.Node):
+    if not isinstance(node, fx.Node) or fxgraph.op(node) != "getitem" or not isinstance(node.args[0], fx.Node):
         return False
     src, index = node.args
     return (
-        G.graph_input(src) is not None
-        and len(G.shape(src) or ()) == 3
+        fxgraph.graph_input(src) is not None
+        and len(fxgraph.shape(src) or ()) == 3
         and isinstance(index, fx.Node)
-        and not (G.dtype(index) or torch.float32).is_floating_point
+        and not (fxgraph.dtype(index) or torch.float32).is_floating_point
     )
 
 
@@ -332,17 +338,19 @@ def check_row_mask(m: GroupedMLP) -> str | None:
     if m.gate.mask is not m.up.mask:
         shown = {r: p.mask.name if p.mask is not None else "none" for r, p in (("gate", m.gate), ("up", m.up))}
         return f"gate and up are zero-filled by different masks (gate: {shown['gate']}, up: {shown['up']})"
-    rows, shape = (G.shape(m.x) or (None,))[0], G.shape(m.mask)
-    if G.dtype(m.mask) is not torch.bool or shape is None or rows is None:
+    rows, shape = (fxgraph.shape(m.x) or (None,))[0], fxgraph.shape(m.mask)
+    if fxgraph.dtype(m.mask) is not torch.bool or shape is None or rows is None:
         return f"the zero fill's mask {m.mask.name} is not a bool tensor of known shape"
-    if len(shape) != 2 or not G.same_size(shape[1], 1) or not G.same_size(shape[0], rows):
-        return f"the zero fill's mask {m.mask.name} {list(shape)} is not a row mask [{G.hint(rows)}, 1] of the rows"
+    if len(shape) != 2 or not fxgraph.same_size(shape[1], 1) or not fxgraph.same_size(shape[0], rows):
+        return (
+            f"the zero fill's mask {m.mask.name} {list(shape)} is not a row mask [{fxgraph.hint(rows)}, 1] of the rows"
+        )
     return None
 
 
 def check_weights_are_inputs(m: GroupedMLP) -> str | None:
     for role, mm in (("gate", m.gate.mm), ("up", m.up.mm), ("down", m.down)):
-        if G.graph_input(mm.weight) is None:
+        if fxgraph.graph_input(mm.weight) is None:
             return f"{role} weight {mm.weight.name} is computed in the graph, not a graph input (parameter)"
     return None
 
@@ -351,7 +359,7 @@ def check_inside_region(m: GroupedMLP) -> str | None:
     for n in m.region - {m.down.node}:
         if n.op in ("placeholder", "get_attr"):
             return f"{n.name} reached through the experts is an input other than the rows, offsets and weights"
-        outside = G.users_outside(n, m.region)
+        outside = fxgraph.users_outside(n, m.region)
         if outside:
             return f"intermediate {n.name} is also used outside the experts (by {', '.join(u.name for u in outside)})"
     return None
@@ -359,32 +367,38 @@ def check_inside_region(m: GroupedMLP) -> str | None:
 
 def check_shapes(m: GroupedMLP) -> str | None:
     mms = (m.gate.mm, m.up.mm, m.down)
-    x, y = G.shape(m.x), G.shape(m.down.node)
-    g, u, h = (G.shape(n) for n in (m.gate.node, m.up.node, m.mul))
-    ws = [G.shape(mm.weight) for mm in mms]
-    if None in (x, y, g, u, h, *ws) or None in (G.shape(mm.offs) for mm in mms):
+    x, y = fxgraph.shape(m.x), fxgraph.shape(m.down.node)
+    g, u, h = (fxgraph.shape(n) for n in (m.gate.node, m.up.node, m.mul))
+    ws = [fxgraph.shape(mm.weight) for mm in mms]
+    if None in (x, y, g, u, h, *ws) or None in (fxgraph.shape(mm.offs) for mm in mms):
         return "missing example values (shapes unknown)"
-    if not (G.same_shape(g, u) and G.same_shape(g, h)):
+    if not (fxgraph.same_shape(g, u) and fxgraph.same_shape(g, h)):
         return f"gate {list(g)} and up {list(u)} outputs differ from their product {list(h)} (broadcasting)"
     shown = f"rows {list(x)}, gate {list(ws[0])}, up {list(ws[1])}, down {list(ws[2])}"
     inter = m.gate.width
-    if not all(G.same_size(w[0], ws[0][0]) for w in ws[1:]):
+    if not all(fxgraph.same_size(w[0], ws[0][0]) for w in ws[1:]):
         return f"the projections have different numbers of experts: {shown}"
-    if not all(G.same_size(mm.in_features, x[1]) for mm in mms[:2]) or not G.same_size(m.down.in_features, inter):
+    if not all(fxgraph.same_size(mm.in_features, x[1]) for mm in mms[:2]) or not fxgraph.same_size(
+        m.down.in_features, inter
+    ):
         return f"shapes do not chain: {shown}"
-    if not G.same_size(m.up.width, inter) or not G.same_shape(y, (x[0], m.down.out_features)):
+    if not fxgraph.same_size(m.up.width, inter) or not fxgraph.same_shape(y, (x[0], m.down.out_features)):
         return f"shapes do not chain: {shown} -> out {list(y)}"
     per = ws[0][0] if m.down.form == "grouped" else x[0]  # offsets: one per expert; expert ids: one per row
-    if not G.same_shape(G.shape(m.down.offs), (per,)):
-        return f"{'offsets' if m.down.form == 'grouped' else 'expert ids'} {list(G.shape(m.down.offs))} for {shown}"
+    if not fxgraph.same_shape(fxgraph.shape(m.down.offs), (per,)):
+        return (
+            f"{'offsets' if m.down.form == 'grouped' else 'expert ids'} {list(fxgraph.shape(m.down.offs))} for {shown}"
+        )
     return None
 
 
 def check_dtypes(m: GroupedMLP) -> str | None:
     # grouped_mm is not an autocast op: every value in the region has the weights' dtype or the op would change it
-    computed = [n for n in m.region if isinstance(G.example_value(n), torch.Tensor) and G.graph_input(n) is None]
+    computed = [
+        n for n in m.region if isinstance(fxgraph.example_value(n), torch.Tensor) and fxgraph.graph_input(n) is None
+    ]
     weights = (m.gate.mm.weight, m.up.mm.weight, m.down.weight)
-    inner = {G.dtype(n) for n in (m.x, *weights, *computed)}
+    inner = {fxgraph.dtype(n) for n in (m.x, *weights, *computed)}
     if len(inner) != 1 or None in inner:
         return f"mixed dtypes inside the experts ({', '.join(sorted(str(d) for d in inner))}): casts the op would drop"
     if not inner.pop().is_floating_point:
@@ -395,34 +409,34 @@ def check_dtypes(m: GroupedMLP) -> str | None:
 def check_min_rows(m: GroupedMLP, min_tokens: int) -> str | None:
     if not min_tokens:
         return None
-    rows = (G.shape(m.x) or (None,))[0]
+    rows = (fxgraph.shape(m.x) or (None,))[0]
     if rows is None:
         return None
     try:
         below = bool(rows < min_tokens)  # a symbolic count adds a guard, as the dense MLP's check does
     except Exception:  # noqa: BLE001 - an unbacked size: the hint decides (if there is one)
-        hint = G.hint(rows)
+        hint = fxgraph.hint(rows)
         below = hint is not None and hint < min_tokens
     if below:
-        return f"{G.hint(rows)} routed rows < mlp_min_tokens={min_tokens}: tiling would only cost time"
+        return f"{fxgraph.hint(rows)} routed rows < mlp_min_tokens={min_tokens}: tiling would only cost time"
     return None
 
 
 # --------------------------------------------------------------------------------------------------- rewrite
 
 
-def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> R.Rewrite:
+def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> reporting.Rewrite:
     graph, end = gm.graph, m.down.node
-    fake_mode = getattr(G.example_value(end), "fake_mode", None) or contextlib.nullcontext()
-    stack = C.common_stack(m.region)
+    fake_mode = getattr(fxgraph.example_value(end), "fake_mode", None) or contextlib.nullcontext()
+    stack = common.common_stack(m.region)
     new_nodes: list[fx.Node] = []
 
     def add(target, *args, method: bool = False, **kwargs) -> fx.Node:
         """A new node, and its value from the example values of its operands (under the graph's fake mode)."""
         node = (graph.call_method if method else graph.call_function)(target, args, kwargs)
         new_nodes.append(node)
-        values = [G.example_value(a) if isinstance(a, fx.Node) else a for a in args]
-        kw = {k: G.example_value(v) if isinstance(v, fx.Node) else v for k, v in kwargs.items()}
+        values = [fxgraph.example_value(a) if isinstance(a, fx.Node) else a for a in args]
+        kw = {k: fxgraph.example_value(v) if isinstance(v, fx.Node) else v for k, v in kwargs.items()}
         with fake_mode:
             value = getattr(values[0], target)(*values[1:], **kw) if method else target(*values, **kw)
         expect(node, value)
@@ -439,7 +453,7 @@ def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> R.Rewrite:
         down_w = m.down.weight if m.down.form == "grouped" else add("transpose", m.down.weight, -2, -1, method=True)
         x, offsets = m.x, m.down.offs
         if m.down.form == "gathered":  # rows in expert order, their cumulative counts; back to row order after
-            ids, experts = m.down.offs, C.size(G.shape(m.down.weight)[0])
+            ids, experts = m.down.offs, common.size(fxgraph.shape(m.down.weight)[0])
             perm = add(torch.argsort, ids, stable=True)
             zeros, ones = add("new_zeros", ids, (experts,), method=True), add(torch.ones_like, ids)
             counts = add("scatter_add", zeros, 0, ids, ones, method=True)
@@ -458,36 +472,36 @@ def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> R.Rewrite:
             node.meta["nn_module_stack"] = dict(stack)
         if "stack_trace" in end.meta:
             node.meta["stack_trace"] = end.meta["stack_trace"]
-    expect(out, G.example_value(end))
+    expect(out, fxgraph.example_value(end))
     end.replace_all_uses_with(out)
-    C.erase_dead(graph, m.region)
+    common.erase_dead(graph, m.region)
     return _record(m, s)
 
 
-def _record(m: GroupedMLP, s) -> R.Rewrite:
+def _record(m: GroupedMLP, s) -> reporting.Rewrite:
     """Shapes of the op's operands ([E, in, out]), and of the stacked gate_up parameter as it is stored."""
-    experts = G.shape(m.down.weight)[0]
-    shapes = {"x": G.shape(m.x), "out": G.shape(m.down.node)}
+    experts = fxgraph.shape(m.down.weight)[0]
+    shapes = {"x": fxgraph.shape(m.x), "out": fxgraph.shape(m.down.node)}
     for role, p in (("gate", m.gate), ("up", m.up)):
         shapes[f"{role}_weight"] = (experts, p.mm.in_features, p.width)
     shapes["down_weight"] = (experts, m.down.in_features, m.down.out_features)
     if m.fused:
-        shapes["gate_up_weight"] = G.shape(G.graph_input(m.gate.mm.weight))
-    shapes = {k: tuple(C.size(i) for i in v) for k, v in shapes.items()}
-    compute = str(G.dtype(m.down.node))
-    dtypes = {"x": str(G.dtype(m.x)), "weight": str(G.dtype(m.down.weight)), "compute": compute}
+        shapes["gate_up_weight"] = fxgraph.shape(fxgraph.graph_input(m.gate.mm.weight))
+    shapes = {k: tuple(common.size(i) for i in v) for k, v in shapes.items()}
+    compute = str(fxgraph.dtype(m.down.node))
+    dtypes = {"x": str(fxgraph.dtype(m.x)), "weight": str(fxgraph.dtype(m.down.weight)), "compute": compute}
     rows = (
         f"rows=grouped (offsets {m.down.offs.name})"
         if m.down.form == "grouped"
         else f"rows=gathered (expert ids {m.down.offs.name}, sorted into groups)"
     )
     detail = (
-        f"experts={C.size(experts)} {rows} activation={m.act.kind} fused={'gate_up' if m.fused else 'no'} "
+        f"experts={common.size(experts)} {rows} activation={m.act.kind} fused={'gate_up' if m.fused else 'no'} "
         f"chunk_tokens={s.mlp_chunk_tokens or 'auto'} budget_mb={s.mlp_chunk_budget_mb} grad_accum={s.mlp_grad_accum}"
     )
     if m.mask is not None:
         detail += f" row_mask={m.mask.name} (its rows' gate and up zero-filled in the op)"
-    return R.Rewrite(NAME, C.path(m.region), shapes, dtypes, detail)
+    return reporting.Rewrite(NAME, common.path(m.region), shapes, dtypes, detail)
 
 
 # ------------------------------------------------------------------------------------------------------- run
@@ -503,7 +517,7 @@ def run_experts(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order:
         m = match(node)
         if m is None:
             continue
-        candidate = f"expert down projection {G.module_path(node) or node.name}"
+        candidate = f"expert down projection {fxgraph.module_path(node) or node.name}"
         result.consider(node, candidate)
         reason = m if isinstance(m, str) else None
         if reason is None:
@@ -516,16 +530,16 @@ def run_experts(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order:
                 check_inside_region,
                 check_shapes,
                 check_dtypes,
-                lambda m: C.check_no_autocast_edge(m, order, markers),
+                lambda m: common.check_no_autocast_edge(m, order, markers),
                 lambda m: check_min_rows(m, ctx.settings.mlp_min_tokens),
             )
             reason = next((r for r in (c(m) for c in checks) if r), None)
         else:
             # one reason for the experts, not one per expert matmul
-            covered |= {node, *G.tensor_args(node), *_projections_read_by(node)}
+            covered |= {node, *fxgraph.tensor_args(node), *_projections_read_by(node)}
         if reason is not None:
-            path = C.path(m.region) if isinstance(m, GroupedMLP) else C.path([node])
-            result.skip(node, R.Skip(NAME, candidate, path, reason))
+            path = common.path(m.region) if isinstance(m, GroupedMLP) else common.path([node])
+            result.skip(node, reporting.Skip(NAME, candidate, path, reason))
             continue
         result.rewrote(node, rewrite(gm, m, ctx))
         order.update({n: order[node] for n in gm.graph.nodes if n not in order})
@@ -534,10 +548,10 @@ def run_experts(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order:
         if node in covered or node not in order:
             continue
         if is_grouped_mm_call(node):
-            candidate = f"grouped_mm {G.module_path(node) or node.name}"
+            candidate = f"grouped_mm {fxgraph.module_path(node) or node.name}"
             reason = "grouped_mm not read as the gate/up or down projection of a gated expert MLP: not tiled"
         elif as_batched_expert_down(node):
-            candidate = f"expert down projection {G.module_path(node) or node.name}"
+            candidate = f"expert down projection {fxgraph.module_path(node) or node.name}"
             reason = (
                 "MoE experts as batched matmuls of per-row gathered expert weights in a form not read "
                 "(bmm(W[ids], h.unsqueeze(-1)).squeeze(-1) is): not tiled"
@@ -545,5 +559,5 @@ def run_experts(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order:
         else:
             continue
         result.consider(node, candidate)
-        result.skip(node, R.Skip(NAME, candidate, C.path([node]), reason))
+        result.skip(node, reporting.Skip(NAME, candidate, common.path([node]), reason))
     return changed

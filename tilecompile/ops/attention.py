@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tilecompile.kernels import attention as K
+from tilecompile.kernels import attention as attention_kernels
 from tilecompile.ops import define_op
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -49,7 +49,7 @@ def attention_plan(
     pos: torch.Tensor | None, doc: torch.Tensor | None, valid: torch.Tensor | None, lo: int | None, hi: int | None
 ) -> list[torch.Tensor]:
     b, n, device = _token_batch(pos, doc, valid)
-    return list(K.plan_tensors(pos, doc, valid, lo, hi, b, n, device))
+    return list(attention_kernels.plan_tensors(pos, doc, valid, lo, hi, b, n, device))
 
 
 def plan_fakes(like: torch.Tensor, t) -> list[torch.Tensor]:
@@ -76,14 +76,14 @@ def _packed(q, k, v, pos, doc, valid, lo, hi, plan):
     """flash varlen's arguments when it computes this mask exactly on these inputs, else None. Without a plan made
     for these tokens (the op called directly, or a plan over batch-1 tokens shared by B > 1 rows), the plan is made
     here, at one host sync."""
-    if not K.flash_supported(q, k, v) or (lo not in (0, None)) or (hi is not None and hi < 0):
+    if not attention_kernels.flash_supported(q, k, v) or (lo not in (0, None)) or (hi is not None and hi < 0):
         return None
     b, _, n, _ = q.shape
     if plan and plan[0].numel() == b * n:
-        return K.packed(plan, b, n)
+        return attention_kernels.packed(plan, b, n)
     if pos is None and doc is None and valid is None:  # a window over the index alone: one segment a row
-        return K.packed(_static_plan(b, n, q.device), b, n)
-    return K.packed(K.plan_tensors(pos, doc, valid, lo, hi, b, n, q.device), b, n)
+        return attention_kernels.packed(_static_plan(b, n, q.device), b, n)
+    return attention_kernels.packed(attention_kernels.plan_tensors(pos, doc, valid, lo, hi, b, n, q.device), b, n)
 
 
 def _static_plan(b: int, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -134,9 +134,9 @@ def masked_attention(
     pk = _packed(q, k, v, pos, doc, valid, lo, hi, plan)
     if pk is not None:
         PATHS["flash"] += 1
-        return K.packed_fwd(q, k, v, pk, lo, hi, float(scale))
+        return attention_kernels.packed_fwd(q, k, v, pk, lo, hi, float(scale))
     PATHS["chunked"] += 1
-    return K.chunked_fwd(q, k, v, pos, doc, valid, lo, hi, float(scale))
+    return attention_kernels.chunked_fwd(q, k, v, pos, doc, valid, lo, hi, float(scale))
 
 
 @masked_attention.register_fake
@@ -144,16 +144,16 @@ def _(q, k, v, pos, doc, valid, lo, hi, scale, plan):
     _check_static(q, k, v, pos, doc, valid)
     b, h, n, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return K.token_major(q, b, h, n, v.shape[-1]), q.new_empty((b, h, n), dtype=lse_dtype)
+    return attention_kernels.token_major(q, b, h, n, v.shape[-1]), q.new_empty((b, h, n), dtype=lse_dtype)
 
 
 def _attention_backward(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, scale, plan):
     pk = _packed(q, k, v, pos, doc, valid, lo, hi, plan)
     if pk is not None:
         PATHS["flash"] += 1
-        return K.packed_bwd(grad_out, q, k, v, out, lse, pk, lo, hi, float(scale))
+        return attention_kernels.packed_bwd(grad_out, q, k, v, out, lse, pk, lo, hi, float(scale))
     PATHS["chunked"] += 1
-    return K.chunked_bwd(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, float(scale))
+    return attention_kernels.chunked_bwd(grad_out, q, k, v, out, lse, pos, doc, valid, lo, hi, float(scale))
 
 
 # (dq, dk, dv) of masked_attention, in the layout every path returns
@@ -162,7 +162,7 @@ masked_attention_backward = define_op(
     "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? pos, Tensor? doc, "
     "Tensor? valid, SymInt? lo, SymInt? hi, float scale, Tensor[] plan) -> (Tensor, Tensor, Tensor)",
     _attention_backward,
-    lambda grad_out, q, k, v, *_: tuple(K.token_major(t, *t.shape) for t in (q, k, v)),
+    lambda grad_out, q, k, v, *_: tuple(attention_kernels.token_major(t, *t.shape) for t in (q, k, v)),
 )
 
 

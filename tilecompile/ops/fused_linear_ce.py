@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from tilecompile import config
-from tilecompile.kernels import fused_linear_ce as K
+from tilecompile.kernels import fused_linear_ce as lm_head_kernels
 from tilecompile.ops import define_op, own_autograd
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -172,7 +172,7 @@ def _forward(
     rows = None if (h.is_cuda or with_entropy or all_rows) else _active_rows(labels1, ignore_index)
     inv_t = 1.0 / float(temperature)
     if rows is None:
-        logp, ent, stats, extras = K.fused_linear_logprob_fwd(
+        logp, ent, stats, extras = lm_head_kernels.fused_linear_logprob_fwd(
             h2, weight, labels1, inv_t, ignore_index, with_entropy, all_rows=with_lse, with_zsum=with_zsum,
             with_argmax=with_argmax, **options,
         )  # fmt: skip
@@ -180,7 +180,7 @@ def _forward(
         n = labels1.shape[0]
         logp = torch.zeros(n, dtype=torch.float32, device=h.device)
         stats = torch.zeros(n, 2, dtype=torch.float32, device=h.device)
-        logp[rows], _, stats[rows], extras = K.fused_linear_logprob_fwd(
+        logp[rows], _, stats[rows], extras = lm_head_kernels.fused_linear_logprob_fwd(
             h2[rows], weight, labels1[rows], inv_t, ignore_index, False, **options
         )
         ent = None
@@ -226,12 +226,12 @@ def _backward_grads(
     rows = None if (h.is_cuda or every_row) else _active_rows(labels1, ignore_index)
     inv_t = 1.0 / float(temperature)
     if rows is None:
-        dh, dw, db = K.fused_linear_logprob_bwd(
+        dh, dw, db = lm_head_kernels.fused_linear_logprob_bwd(
             h2, weight, labels1, stats1, ent1, glp, None if gent is None else gent, inv_t, ignore_index, need_grad_h,
             need_grad_weight, grad_lse=glse, grad_zsum=gzs, **options,
         )  # fmt: skip
     else:  # the ignored rows' dz is 0: their dh is 0 and they add nothing to dW and db
-        dh_a, dw, db = K.fused_linear_logprob_bwd(
+        dh_a, dw, db = lm_head_kernels.fused_linear_logprob_bwd(
             h2[rows], weight, labels1[rows], stats1[rows], None, glp[rows] if glp is not None else None, None,
             inv_t, ignore_index, need_grad_h, need_grad_weight, **options,
         )  # fmt: skip
@@ -580,7 +580,7 @@ def fused_linear_logprob_loss(
         _check_labels(labels, weight.shape[0], ignore_index)
     labels1 = labels.reshape(-1).contiguous()
     grad_of = _per_token_grads(_LOSS_FNS[loss_key], loss_key, extras, labels.shape, with_entropy, grad_backend)
-    logp, ent, _stats, dh, dw = K.fused_linear_logprob_loss_fwd(
+    logp, ent, _stats, dh, dw = lm_head_kernels.fused_linear_logprob_loss_fwd(
         _row_segments(h), weight, labels1, 1.0 / float(temperature), ignore_index, with_entropy, grad_of,
         block_rows=block_rows, softcap=float(softcap),
     )  # fmt: skip
@@ -653,7 +653,7 @@ def _fused_linear_logprob_local_stats(
     if not h.is_cuda:
         _check_labels(labels, vocab, ignore_index)
     h2, labels1 = _flat(h, _local_labels(labels, lo, weight.shape[0], ignore_index))
-    logp, ent, stats, _ = K.fused_linear_logprob_fwd(
+    logp, ent, stats, _ = lm_head_kernels.fused_linear_logprob_fwd(
         h2, weight, labels1, 1.0 / float(temperature), ignore_index, True, chunk=_vocab_chunk(vocab_chunk)
     )
     m, log_s = stats[:, 0], stats[:, 1]
@@ -675,7 +675,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, labels, temperature, ignore_index, with_entropy, vocab_chunk, group, world, rank):
-        from tilecompile.ops import collectives as C
+        from tilecompile.ops import collectives as collectives
 
         if ignore_index >= 0:
             raise ValueError(f"vocab-parallel log-prob needs a negative ignore_index, got {ignore_index}")
@@ -688,11 +688,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
         active = labels != ignore_index
         inside = (local >= 0) & (local < v_local)
         m, log_s, aos, zym = st.unbind(-1)
-        big = C.all_reduce(m, "max", group)
+        big = collectives.all_reduce(m, "max", group)
         shift = m - big
         s = torch.exp(shift + log_s)
         packed = torch.stack((s, s * (aos + shift), torch.where(inside, zym + shift, 0.0)), dim=-1)
-        total = C.all_reduce(packed, "sum", group)
+        total = collectives.all_reduce(packed, "sum", group)
         s_all, a_all, zy_all = total.unbind(-1)
         log_s_all = torch.log(s_all)
         logp = torch.where(active, zy_all - log_s_all, 0.0)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tilecompile.kernels import tiled_mlp as K
+from tilecompile.kernels import tiled_mlp as mlp_kernels
 from tilecompile.ops.tiled_mlp import _acc_dtype, _accumulate_mm, _finish_grad, check_options, chunk_size_for
 
 __all__ = ["tiled_grouped_mlp"]
@@ -149,7 +149,7 @@ def _tiled_grouped_mlp_op(
             if mask is not None:  # masked_fill(proj, mask, 0): h = act(0) * 0 on a masked row
                 g.masked_fill_(mask[s:t], 0)
                 u.masked_fill_(mask[s:t], 0)
-            K.act_into(g, g, activation).mul_(u)
+            mlp_kernels.act_into(g, g, activation).mul_(u)
             torch.mm(g, wd, out=out[s:t])
     return out
 
@@ -221,10 +221,10 @@ def _tiled_grouped_mlp_backward_op(
                     u.masked_fill_(mc, 0)
                 torch.mm(dyc, wd.t(), out=dh)
                 if need_wd:
-                    h = K.act_into(g, tmp, activation).mul_(u)
+                    h = mlp_kernels.act_into(g, tmp, activation).mul_(u)
                     _accumulate_mm(acc_wd[e], h.t(), dyc)
                 if need_du:
-                    du = K.act_into(g, tmp, activation).mul_(dh)
+                    du = mlp_kernels.act_into(g, tmp, activation).mul_(dh)
                     if mc is not None:  # masked_fill's backward
                         du.masked_fill_(mc, 0)
                     if need_wu:
@@ -232,7 +232,7 @@ def _tiled_grouped_mlp_backward_op(
                     if need_x:
                         torch.mm(du, wu.t(), out=dx[s:t])
                 if need_dg:
-                    dg = K.act_backward_into(u.mul_(dh), g, u, activation)
+                    dg = mlp_kernels.act_backward_into(u.mul_(dh), g, u, activation)
                     if mc is not None:
                         dg.masked_fill_(mc, 0)
                     if need_wg:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tilecompile.kernels import tiled_mlp as K
+from tilecompile.kernels import tiled_mlp as mlp_kernels
 from tilecompile.ops import define_op
 
 __all__ = ["ACTIVATIONS", "GRAD_ACCUM", "chunk_size_for", "tiled_gated_mlp"]
@@ -74,7 +74,7 @@ _TRITON_ON_CPU = False  # tests flip this under TRITON_INTERPRET=1 to run the fu
 
 def _use_triton(t: Tensor) -> bool:
     fits = t.dtype in (torch.float32, torch.float16, torch.bfloat16)  # the kernels compute in fp32: not for fp64
-    return K.HAS_TRITON and USE_TRITON and fits and (t.is_cuda or _TRITON_ON_CPU)
+    return mlp_kernels.HAS_TRITON and USE_TRITON and fits and (t.is_cuda or _TRITON_ON_CPU)
 
 
 def _linear_into(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
@@ -219,9 +219,9 @@ def _tiled_gated_mlp_op(
             _linear_into(xc, gate_weight, gate_bias, g)
             _linear_into(xc, up_weight, up_bias, u)
             if fused:
-                K.fused_act_mul_(g, u, activation)
+                mlp_kernels.fused_act_mul_(g, u, activation)
             else:
-                K.act_into(g, g, activation)
+                mlp_kernels.act_into(g, g, activation)
                 g.mul_(u)
             _linear_into(g, down_weight, down_bias, out[s:e])
     return out.view(*x.shape[:-1], d_out)
@@ -373,15 +373,15 @@ def _backward_grads(grad_out, x, gate_weight, gate_bias, up_weight, up_bias, dow
                 if need_dh:
                     torch.mm(dyc, down_weight[:, lo:hi], out=dh)
                 if fused:  # one kernel: g <- h, u <- du, dh <- dg
-                    K.fused_act_backward_(g, u, dh, activation, need_wd, need_du, need_dg)
+                    mlp_kernels.fused_act_backward_(g, u, dh, activation, need_wd, need_du, need_dg)
                     h, du, dg = g, u, dh
                 if need_wd:
                     if not fused:
-                        h = K.act_into(g, t, activation).mul_(u)
+                        h = mlp_kernels.act_into(g, t, activation).mul_(u)
                     _accumulate_mm(acc_wd[:, lo:hi], dyc.t(), h)
                 if need_du:
                     if not fused:
-                        du = K.act_into(g, t, activation).mul_(dh)
+                        du = mlp_kernels.act_into(g, t, activation).mul_(dh)
                     if need_wu:
                         _accumulate_mm(acc_wu[lo:hi], du.t(), xc)
                     if need_bu:
@@ -390,7 +390,7 @@ def _backward_grads(grad_out, x, gate_weight, gate_bias, up_weight, up_bias, dow
                         _dx_add(dx_tile, du, wu_k, first=k == 0)
                 if need_dg:
                     if not fused:
-                        dg = K.act_backward_into(u.mul_(dh), g, u, activation)
+                        dg = mlp_kernels.act_backward_into(u.mul_(dh), g, u, activation)
                     if need_wg:
                         _accumulate_mm(acc_wg[lo:hi], dg.t(), xc)
                     if need_bg:
