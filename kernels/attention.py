@@ -415,10 +415,8 @@ _DENSE_OK = [True]
 
 def flash_dense_fwd(q4, k4, v4, causal, left, right, scale):
     """Flash forward over whole rows, [B, N, heads, D] views: (out [B, N, H, D], lse [B, H, N] fp32): the kernel
-    SDPA's ``is_causal`` path runs. Why not the varlen kernel with one segment a row: on the H200 that measured
-    18.3 ms fwd+bwd at 2 x 16k (bench_attention --padded), against 5.41 ms at 1 x 16k for SDPA's is_causal
-    (RESULTS.md, an earlier run): about 1.7x a row, and the all-ones 16k step ran 23.3k tokens/s against 30.3k with no
-    mask. This path itself is not measured yet."""
+    SDPA's ``is_causal`` path runs. Not the varlen kernel with one segment a row: that was about 1.7x slower a row
+    (benchmarks/RESULTS.md, "The sweeps behind the kernels' settings")."""
     b, n, h, _ = q4.shape
     res = torch.ops.aten._flash_attention_forward(
         q4, k4, v4, None, None, n, n, 0.0, causal, False, scale=scale, window_size_left=left, window_size_right=right
@@ -470,8 +468,8 @@ _CUDNN_OK = [True]
 
 def cudnn_rows_supported(q: torch.Tensor, v: torch.Tensor, hi) -> bool:
     """Whether whole rows (an all-ones padding mask) may take cuDNN's attention, the kernel SDPA's ``is_causal``
-    picks on the H200 (torch 2.11): 5.0 ms fwd + bwd against flash's 9.5 at 1 x 16k, H=12, Hkv=2, D=128, bf16
-    (benchmarks/probe_sdpa_backends.py, 2026-12-02). CUDA fp16 / bf16, no window (the op takes none), one head dim
+    picks on the H200 (torch 2.11), about half flash's time there (benchmarks/RESULTS.md, "The sweeps behind the
+    kernels' settings"). CUDA fp16 / bf16, no window (the op takes none), one head dim
     for q, k and v, at most 128 and a multiple of 8; rows of two tokens or more (its backward takes no
     s_q = s_kv = 1: "not supported", measured)."""
     d = q.shape[-1]

@@ -113,7 +113,7 @@ if HAS_TRITON:
         ALL_ROWS: tl.constexpr = False,
     ):
         # Persistent over rows, the row loop software-pipelined so the next row's load can be in flight while
-        # this row is reduced (on H200 this measured within run-to-run noise of one program per row).
+        # this row is reduced.
         offs = tl.arange(0, BLOCK_C)
         for row_i in tl.range(tl.program_id(0), n_rows, tl.num_programs(0), num_stages=NUM_STAGES):
             row = tl.cast(row_i, tl.int64)
@@ -260,18 +260,14 @@ def _block_c(n_cols: int, cap: int) -> int:
 
 # Launch settings of the forward epilogue, which reduces each row of a chunk (max, Σe, Σe·x): tiles of up to
 # ``cap`` columns, ``warps`` warps a program, ``grid_per_sm`` programs per multiprocessor looping over the rows
-# (software-pipelined ``stages`` deep). Swept on H200 (benchmarks/probe_gemm.py, N=16384, V=151936, bf16): the
-# former setting (one tile of the whole chunk row, 8 warps, 4 programs per SM) read the logits at 1.6 TB/s; 4 warps
-# with 16 programs per SM over 2048-wide tiles read them at 2.0-2.4 TB/s (C = 4096-16384), half of the 4.8 TB/s.
+# (software-pipelined ``stages`` deep). Many small programs over moderate tiles keep enough loads in flight to
+# stream a chunk's logits; one program per whole row does not (the sweeps: benchmarks/RESULTS.md, "The sweeps
+# behind the kernels' settings").
 _FWD_LAUNCH = {"cap": 2048, "warps": 4, "grid_per_sm": 16, "stages": 1}
-# The loss-aware mode's blocks hold whole-vocabulary rows ([1536, 151936] at Qwen2.5's vocabulary), swept with
-# ``probe_loss_aware.py --epilogues`` (H200, bf16, 2026-12-01, median of 7): 16384-wide tiles, 16 warps, 8 programs
-# per SM read a block in 0.267 ms (8192 / 8 warps / 4 per SM: 0.295; the chunk setting: 0.37). Not kept, as no
-# faster: per-lane accumulators summed once per row instead of three reductions a tile (0.34-0.36 ms at best), and
-# issuing the next tile's load before reducing this one (0.31-0.43 ms).
+# The loss-aware mode's blocks hold whole-vocabulary rows (e.g. [1536, 151936]): wide tiles and more warps a program,
+# fewer programs, since each row is long.
 _ROW_LAUNCH = {"cap": 16384, "warps": 16, "grid_per_sm": 8, "stages": 1}
-# Their backward epilogue splits each row into 16384-column ranges: 0.263 ms a block against 0.300 with one
-# 8-warp program per row (1536 rows alone are 1.5 waves of those on 132 SMs, the second half empty).
+# Their backward epilogue splits each row into column ranges, so a block of few long rows still fills every SM.
 _ROW_BWD_LAUNCH = {"cap": 1024, "cols_per_prog": 16384}
 # The backward epilogue is elementwise per row (no reductions), so a modest tile streams at full bandwidth; a
 # chunk's many short rows take one program each (cols_per_prog 0: the whole row).
@@ -623,10 +619,9 @@ def fused_linear_logprob_bwd(
     return dh, dw, (db.to(bias.dtype) if db is not None else None)
 
 
-# Bytes one [R, V] row block of logits may take in the loss-aware forward (whole vocabulary per block). Swept on H200
-# (benchmarks/probe_loss_aware.py, N=16384, V=151936, bf16, op fwd+bwd): R = 1024 / 1536 / 2048 rows took 98.9 / 96.0 /
-# 96.0 ms at D=4096 and 42.6 / 40.5 / 43.9 ms at D=1536. 448 MiB gives R = 1536; 2048 rows (594 MiB) would push the
-# D=4096 step past its 1.75 GiB budget (dW alone is 1.16 GiB).
+# Bytes one [R, V] row block of logits may take in the loss-aware forward (whole vocabulary per block): 1536 rows at
+# V = 151936 in bf16, past which a larger block is no faster and the 8B shape's step would leave its memory budget
+# (the sweep: benchmarks/RESULTS.md, "The sweeps behind the kernels' settings").
 LOSS_BLOCK_BUDGET_BYTES = 448 * 2**20
 _ROW_ALIGN = 128
 

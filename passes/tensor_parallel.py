@@ -6,7 +6,7 @@
 Dynamo traces the model with its local shards, so the graph already computes this rank's part; what it lacks
 are the collectives at the boundaries. Placements are propagated forward from the sharded parameters (each value
 is Replicate, Shard(dim) of the tensor-parallel features/heads, or, with sequence parallel, Shard(seq)); a
-row-parallel linear's Partial output is reduced where it is made, so Partial never travels. Boundaries (DESIGN.md):
+row-parallel linear's Partial output is reduced where it is made, so Partial never travels. Boundaries:
 
 | boundary                             | forward        | backward        | function            |
 |--------------------------------------|----------------|-----------------|---------------------|

@@ -669,7 +669,7 @@ def _(h, weight, labels, lo, vocab, temperature, ignore_index, vocab_chunk=-1):
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
-    """log-prob and entropy of a vocabulary-parallel lm_head (DESIGN.md, "Tensor parallel"): local statistics, an
+    """log-prob and entropy of a vocabulary-parallel lm_head (passes/tensor_parallel.py): local statistics, an
     all_reduce MAX of the row max (no grad), one all_reduce SUM of the packed [Σe, Σe·(z − M), z_y − M] rescaled to
     the global max M; the backward is local (the partial dh is summed by the all_reduce of h's copy_to_tp)."""
 

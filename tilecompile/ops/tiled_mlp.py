@@ -251,8 +251,8 @@ def _intermediate_parts(tokens: int, intermediate: int, chunk: int) -> int:
 def _part_bounds(intermediate: int, parts: int) -> list[tuple[int, int]]:
     """The backward's [lo, hi) column ranges of I: at most ``parts``, each a multiple of ``_PART_ALIGN`` wide but the
     last. I / parts itself (2987 for Qwen2.5-1.5B's I = 8960 in the 3 parts of 8k tokens) puts the weight slices and
-    tiles off cuBLAS's 16-byte alignment: on the H200 the MLP backward then took 13.3 ms a layer at 8k tokens against
-    7.4 ms at 16k (``benchmarks/probe_host.py``), and e2e.py's 8k step 0.51 s; with aligned parts, 0.23 s."""
+    tiles off cuBLAS's 16-byte alignment, which slowed the backward by about 2x (benchmarks/RESULTS.md, "The sweeps
+    behind the kernels' settings")."""
     width = -(-intermediate // parts)
     width = -(-width // _PART_ALIGN) * _PART_ALIGN
     return [(lo, min(lo + width, intermediate)) for lo in range(0, intermediate, width)]
