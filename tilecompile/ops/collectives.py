@@ -4,7 +4,8 @@ The functional collectives (``torch.distributed._functional_collectives``) have 
 boundary of a tensor-parallel region needs a forward collective and a different backward one (the boundaries are
 listed in passes/tensor_parallel.py's docstring), so each pair is an ``autograd.Function`` whose two halves call
 the functional collectives. AOTAutograd traces through both halves, so the compiled forward and backward graphs
-hold plain ``_c10d_functional`` ops (and their ``wait_tensor``), which Inductor can reorder and, on CUDA, fuse with the matmuls next to them (async TP).
+hold plain ``_c10d_functional`` ops (and their ``wait_tensor``), which Inductor can reorder and, on CUDA, fuse with
+the matmuls next to them (async TP).
 
 | function              | forward                    | backward                   | where                              |
 |-----------------------|----------------------------|----------------------------|------------------------------------|
