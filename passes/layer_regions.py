@@ -13,23 +13,26 @@ Inductor binds a region's symbolic sizes from its inputs: a size that is an expr
 the token count when a loss input is one token shorter) needs the symbol itself among them. The root graph's
 placeholder that binds each such symbol is passed to every call as an extra, unused operand.
 
-Regions are made in the root graph only (the backend's undo restores the root). A region that fails to compile,
-forward or backward (the backend lowers the backward eagerly then), is undone (``undo``) by the backend, which then
-compiles the flat graph.
+Regions are made in the root graph only (the backend's undo restores the root). The backend lowers a graph through
+``lower`` here, with its own lowering step: a region that fails to compile, forward or backward (the backward is
+lowered at once then), is undone (``undo``) and the flat graph lowered instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from tilecompile import config, reporting
 from tilecompile import graph as fxgraph
-from tilecompile import reporting
 from tilecompile.pass_api import PassContext, PassResult, snapshot_graph
 
 NAME = "layer_regions"
@@ -311,3 +314,80 @@ def _share(gm: fx.GraphModule, group: list[fx.Node], binders: dict[Any, fx.Node]
             site.replace_all_uses_with(new)
         gm.graph.erase_node(site)
     return name
+
+
+# ------------------------------------------------------------------------------------------------- lowering
+
+
+def lower(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    settings: config.Settings,
+    mode: str | None,
+    options: dict[str, Any],
+    graph_name: str,
+    lower: Callable[..., Any],
+) -> Callable[..., Any]:
+    """Lower ``gm`` with the backend's lowering step ``lower`` (its inner compile, or DDP's split). A graph with shared
+    layer regions is compiled with
+    its backward lowered at once (not at the first ``backward()``); where that fails, the regions are undone and the
+    flat graph compiled, after one warning, so that a torch version whose AOTAutograd or Inductor cannot take a region
+    costs a compile, not the user's step. Strict mode raises instead. Dynamo's restarts and running out of memory pass
+    through."""
+    if not made(gm):
+        return lower(gm, example_inputs, settings.inner, mode, options)
+    if conflict := region_conflict(settings, options):
+        undo(gm)
+        reporting.decline(NAME, graph_name, "checkpointed layer", conflict)
+        return lower(gm, example_inputs, settings.inner, mode, options)
+    try:
+        with _backward_lowered_at_once():
+            compiled = lower(gm, example_inputs, settings.inner, mode, region_workarounds(settings, options))
+    except (torch._dynamo.exc.RestartAnalysis, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        if settings.strict:
+            raise
+        undo(gm)
+        compiled = lower(gm, example_inputs, settings.inner, mode, options)  # raises on its own error
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        reporting.withdraw(NAME, graph_name, reason)
+        warnings.warn(
+            f"tilecompile: {settings.inner} could not compile the shared layer regions of {graph_name} ({reason}); "
+            "the layers were compiled one by one instead. TILECOMPILE_LAYER_REGIONS=0 skips the attempt.",
+            stacklevel=2,
+        )
+        return compiled
+    forget(gm)
+    return compiled
+
+
+def region_workarounds(settings: config.Settings, options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor settings a graph with shared layer regions needs: ``reorder_for_peak_memory`` off.
+
+    Inductor's reordering for peak memory gets gradients wrong around invoke_subgraph calls. Through Inductor's CPU
+    backend (torch 2.13), an HF Qwen2 step whose logits also feed a second loss term had its attention weights'
+    gradients off by about 5e-2 (cosine 0.5 against eager), static and dynamic (tests/test_layer_regions.py). On the
+    H200 (torch 2.11), the 28-layer 1.5B step's layer-norm weights were off by up to 0.95 relative (cosine 0.79;
+    benchmarks/probe_regions_grads.py). With the setting off, or without the regions, the gradients match eager's."""
+    if settings.inner != "inductor" or "reorder_for_peak_memory" in options:
+        return options
+    return {**options, "reorder_for_peak_memory": False}
+
+
+def region_conflict(settings: config.Settings, options: dict[str, Any]) -> str | None:
+    """Why a graph's layer regions must be undone before its compile, or None: the user asked Inductor for
+    ``reorder_for_peak_memory`` (see ``region_workarounds``), so the layers are compiled one by one instead."""
+    if settings.inner == "inductor" and options.get("reorder_for_peak_memory"):
+        return "reorder_for_peak_memory=True was asked for; Inductor's reordering gets gradients wrong around regions"
+    return None
+
+
+def _backward_lowered_at_once():
+    """AOTAutograd compiling the backward with the forward (torch 2.11 compiles it lazily for static shapes, and for
+    dynamic ones retries a failed backward lazily): a backward that cannot take a region then fails here."""
+    cfg = torch._functorch.config
+    if not hasattr(cfg, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return cfg.patch(force_non_lazy_backward_lowering=True)

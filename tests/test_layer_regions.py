@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import tilecompile
 from tilecompile import backend
+from tilecompile.passes import layer_regions
 
 D = 16
 
@@ -346,12 +347,12 @@ def _hf_step_grads(regions: int = 2, **options) -> None:
 
 def test_inductor_settings_for_regions():
     settings = tilecompile.config.load({"inner": "inductor"})
-    assert backend.region_workarounds(settings, {}) == {"reorder_for_peak_memory": False}
+    assert layer_regions.region_workarounds(settings, {}) == {"reorder_for_peak_memory": False}
     off = {"reorder_for_peak_memory": False}
-    assert backend.region_workarounds(settings, off) == off
-    assert backend.region_workarounds(tilecompile.config.load({"inner": "aot_eager"}), {}) == {}
-    assert backend.region_conflict(settings, {"reorder_for_peak_memory": False}) is None
-    assert "reorder_for_peak_memory" in backend.region_conflict(settings, {"reorder_for_peak_memory": True})
+    assert layer_regions.region_workarounds(settings, off) == off
+    assert layer_regions.region_workarounds(tilecompile.config.load({"inner": "aot_eager"}), {}) == {}
+    assert layer_regions.region_conflict(settings, {"reorder_for_peak_memory": False}) is None
+    assert "reorder_for_peak_memory" in layer_regions.region_conflict(settings, {"reorder_for_peak_memory": True})
 
 
 @pytest.mark.slow
@@ -365,7 +366,7 @@ def test_inductor_reordering_for_peak_memory_breaks_the_regions(monkeypatch):
     """Why the backend turns ``reorder_for_peak_memory`` off for graphs with regions: with it on, the step above gets
     its attention weights' gradients wrong (cosine 0.5 against eager). A strict xfail: when torch fixes it, this
     passes, fails the suite, and the workaround can go."""
-    monkeypatch.setattr(backend, "region_conflict", lambda settings, options: None)  # compile the regions anyway
+    monkeypatch.setattr(layer_regions, "region_conflict", lambda settings, options: None)  # compile the regions anyway
     _hf_step_grads(reorder_for_peak_memory=True)
 
 

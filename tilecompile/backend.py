@@ -12,7 +12,6 @@ import functools
 import hashlib
 import logging
 import pathlib
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,7 +83,8 @@ def compile_graph(
             with reporting.graph_scope(graph_name):
                 gm = run_passes(gm, settings, graph_name)
                 _note_graph_breaks(gm, settings)
-            compiled = _compile(
+            # the layer regions' lowering: compiled whole, or undone and the flat graph lowered where that fails
+            compiled = layer_regions.lower(
                 gm, example_inputs, settings, mode, inductor_options, graph_name, lower or inner_compile
             )
         finally:
@@ -183,79 +183,6 @@ def dynamic_workarounds(example_inputs: Sequence[Any], options: dict[str, Any]) 
     if not is_dynamic(example_inputs) or key in options or key not in inductor_config.get_config_copy():
         return {}
     return {key: False}
-
-
-def _compile(
-    gm: fx.GraphModule,
-    example_inputs: Sequence[Any],
-    settings: config.Settings,
-    mode: str | None,
-    options: dict[str, Any],
-    graph_name: str,
-    lower: Callable[..., Any],
-) -> Callable[..., Any]:
-    """The lowering (``lower``: the inner compile, or DDP's split). A graph with shared layer regions is compiled with
-    its backward lowered at once (not at the first ``backward()``); where that fails, the regions are undone and the
-    flat graph compiled, after one warning, so that a torch version whose AOTAutograd or Inductor cannot take a region
-    costs a compile, not the user's step. Strict mode raises instead. Dynamo's restarts and running out of memory pass
-    through."""
-    if not layer_regions.made(gm):
-        return lower(gm, example_inputs, settings.inner, mode, options)
-    if conflict := region_conflict(settings, options):
-        layer_regions.undo(gm)
-        reporting.decline(layer_regions.NAME, graph_name, "checkpointed layer", conflict)
-        return lower(gm, example_inputs, settings.inner, mode, options)
-    try:
-        with _backward_lowered_at_once():
-            compiled = lower(gm, example_inputs, settings.inner, mode, region_workarounds(settings, options))
-    except (torch._dynamo.exc.RestartAnalysis, torch.OutOfMemoryError):
-        raise
-    except Exception as exc:
-        if settings.strict:
-            raise
-        layer_regions.undo(gm)
-        compiled = lower(gm, example_inputs, settings.inner, mode, options)  # raises on its own error
-        text = str(exc).strip()
-        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-        reporting.withdraw(layer_regions.NAME, graph_name, reason)
-        warnings.warn(
-            f"tilecompile: {settings.inner} could not compile the shared layer regions of {graph_name} ({reason}); "
-            "the layers were compiled one by one instead. TILECOMPILE_LAYER_REGIONS=0 skips the attempt.",
-            stacklevel=2,
-        )
-        return compiled
-    layer_regions.forget(gm)
-    return compiled
-
-
-def region_workarounds(settings: config.Settings, options: dict[str, Any]) -> dict[str, Any]:
-    """Inductor settings a graph with shared layer regions needs: ``reorder_for_peak_memory`` off.
-
-    Inductor's reordering for peak memory gets gradients wrong around invoke_subgraph calls. Through Inductor's CPU
-    backend (torch 2.13), an HF Qwen2 step whose logits also feed a second loss term had its attention weights'
-    gradients off by about 5e-2 (cosine 0.5 against eager), static and dynamic (tests/test_layer_regions.py). On the
-    H200 (torch 2.11), the 28-layer 1.5B step's layer-norm weights were off by up to 0.95 relative (cosine 0.79;
-    benchmarks/probe_regions_grads.py). With the setting off, or without the regions, the gradients match eager's."""
-    if settings.inner != "inductor" or "reorder_for_peak_memory" in options:
-        return options
-    return {**options, "reorder_for_peak_memory": False}
-
-
-def region_conflict(settings: config.Settings, options: dict[str, Any]) -> str | None:
-    """Why a graph's layer regions must be undone before its compile, or None: the user asked Inductor for
-    ``reorder_for_peak_memory`` (see ``region_workarounds``), so the layers are compiled one by one instead."""
-    if settings.inner == "inductor" and options.get("reorder_for_peak_memory"):
-        return "reorder_for_peak_memory=True was asked for; Inductor's reordering gets gradients wrong around regions"
-    return None
-
-
-def _backward_lowered_at_once():
-    """AOTAutograd compiling the backward with the forward (torch 2.11 compiles it lazily for static shapes, and for
-    dynamic ones retries a failed backward lazily): a backward that cannot take a region then fails here."""
-    cfg = torch._functorch.config
-    if not hasattr(cfg, "force_non_lazy_backward_lowering"):
-        return contextlib.nullcontext()
-    return cfg.patch(force_non_lazy_backward_lowering=True)
 
 
 def inner_compile(

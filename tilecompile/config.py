@@ -33,7 +33,7 @@ _SPECS: dict[str, _Spec] = {
     "fused_linear_ce": _Spec(bool, True, "lm_head -> log-prob / entropy / cross-entropy -> one fused op"),
     "tiled_mlp": _Spec(bool, True, "gated MLPs -> sequence-chunked recompute regions"),
     # needs Inductor's reorder_for_peak_memory off to get the gradients right, on CPU and CUDA
-    # (backend.region_workarounds; benchmarks/probe_regions_grads.py measured it on the H200)
+    # (passes/layer_regions.py, region_workarounds; benchmarks/probe_regions_grads.py measured it on the H200)
     "layer_regions": _Spec(bool, True, "checkpointed layers with identical bodies -> one region, compiled once"),
     # safety: a failing rewrite raises instead of being undone with a warning
     "strict": _Spec(bool, False, "raise when a pass fails instead of undoing it with a warning"),
