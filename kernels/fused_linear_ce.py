@@ -22,8 +22,9 @@ dW_c = dz_cᵀ @ h (one GEMM, complete for that chunk, fp32 accumulation inside 
 dh_acc (fp32) += dz_c @ W_c; dh_acc is the only sum across chunks, kept in fp32 and cast once at the end.
 Workspace: one [N, C] chunk plus the fp32 dh accumulator; C comes from ``chunk_size``.
 
-``_torch_fwd_epilogue`` / ``_torch_bwd_epilogue`` are the same epilogues in plain PyTorch (the CPU path), and
-``reference_logprob_entropy`` is the unfused formula (tests and benchmarks only: it builds [N, V]).
+``torch_fwd_epilogue`` / ``torch_bwd_epilogue`` (``kernels/fused_linear_ce_reference.py``, beside this module) are
+the same epilogues in plain PyTorch (the CPU path), and ``reference_logprob_entropy`` there is the unfused formula
+(tests and benchmarks only: it builds [N, V]).
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+
+from tilecompile.kernels.fused_linear_ce_reference import (  # noqa: F401 - the reference, re-exported
+    reference_logprob_entropy,
+    torch_bwd_epilogue,
+    torch_fwd_epilogue,
+)
 
 try:
     import triton
@@ -330,83 +337,6 @@ def _triton_bwd_epilogue(
     )  # fmt: skip
 
 
-def _torch_logits(z, v_start, inv_t, bias, softcap):
-    """(x, tanh): the chunk's logits softcap(z + b) / t in fp32, and the softcap's tanh (None without one)."""
-    u = z.float()
-    if bias is not None:
-        u = u + bias[v_start : v_start + z.shape[1]].float()
-    th = None
-    if softcap:
-        th = torch.tanh(u / softcap)
-        u = softcap * th
-    return u * inv_t, th
-
-
-def _torch_fwd_epilogue(
-    z, labels, state, logp, ent, stats, v_start, inv_t, ignore_index, with_entropy, is_last, launch=None, *,
-    bias=None, softcap=0.0, zsum=None, argmax=None, all_rows=False,
-):  # fmt: skip
-    """The forward epilogue in PyTorch: same online update as ``_fused_linear_ce_fwd_kernel``."""
-    m, s, a, zy = state
-    active = labels != ignore_index
-    row_on = torch.ones_like(active) if (with_entropy or all_rows) else active
-    x, _ = _torch_logits(z, v_start, inv_t, bias, softcap)
-    x = torch.where(row_on[:, None], x, float("-inf"))
-    if argmax is not None and z.shape[1]:
-        # the first index of the largest, as torch.argmax, which takes a NaN for the largest (max propagates it)
-        tile_max, tile_arg = x.max(dim=1)
-        first_nan = tile_max.isnan() & ~m.isnan()
-        argmax.copy_(torch.where((tile_max > m) | first_nan, tile_arg + v_start, argmax))
-    if zsum is not None:
-        zsum.add_(torch.where(row_on[:, None], x, 0.0).sum(dim=1))
-    m_new = torch.maximum(m, x.amax(dim=1))
-    m_ref = torch.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = torch.exp(m - m_ref)
-    shift = torch.where(m == float("-inf"), 0.0, m - m_ref)
-    a.copy_(alpha * (a + shift * s))
-    s.mul_(alpha)
-    e = torch.exp(x - m_ref[:, None])
-    s.add_(e.sum(dim=1))
-    a.add_(torch.where(e > 0, e * (x - m_ref[:, None]), 0.0).sum(dim=1))
-    m.copy_(m_new)
-    y_local = labels.long() - v_start
-    hit = active & (y_local >= 0) & (y_local < z.shape[1])
-    picked = x.gather(1, y_local.clamp(0, max(z.shape[1] - 1, 0))[:, None]).squeeze(1)
-    zy.copy_(torch.where(hit, picked, zy))
-    if is_last:
-        log_s = torch.log(s)
-        logp.copy_(torch.where(active, (zy - m) - log_s, 0.0))
-        stats.copy_(torch.where(row_on[:, None], torch.stack((m, log_s), dim=1), 0.0))
-        if with_entropy:
-            ent.copy_(log_s - a / s)
-
-
-def _torch_bwd_epilogue(
-    z, labels, stats, ent, glp, gent, v_start, inv_t, ignore_index, launch=None, *, bias=None, softcap=0.0,
-    glse=None, gzs=None,
-):  # fmt: skip
-    """The backward epilogue in PyTorch: z (the chunk of logits) becomes dz in place."""
-    active = labels != ignore_index
-    x, th = _torch_logits(z, v_start, inv_t, bias, softcap)
-    log_p = (x - stats[:, :1]) - stats[:, 1:]
-    p = torch.exp(log_p)
-    dz = torch.zeros_like(x)
-    if glp is not None:
-        g = torch.where(active, glp, 0.0)[:, None]
-        cols = torch.arange(z.shape[1], device=z.device) + v_start
-        dz = torch.where(cols[None, :] == labels.long()[:, None], g, 0.0) - g * p
-    if gent is not None:
-        dz = dz - gent[:, None] * torch.where(p > 0, p * (log_p + ent[:, None]), 0.0)
-    if glse is not None:
-        dz = dz + glse[:, None] * p
-    if gzs is not None:
-        dz = dz + gzs[:, None]
-    dz = dz * inv_t
-    if th is not None:
-        dz = dz * (1.0 - th * th)
-    z.copy_(dz)
-
-
 def chunk_size(
     n_rows: int, vocab: int, elem_bytes: int, requested: int = 0, budget: int = FWD_CHUNK_BUDGET_BYTES
 ) -> int:
@@ -485,7 +415,7 @@ def fused_linear_logprob_fwd(
     dev = h.device
     gdt = _gemm_dtype(h, gemm_dtype)
     triton_path = _use_triton(h, use_triton)
-    epilogue = _triton_fwd_epilogue if triton_path else _torch_fwd_epilogue
+    epilogue = _triton_fwd_epilogue if triton_path else torch_fwd_epilogue
     hg = h if h.dtype == gdt else h.to(gdt)
     c = chunk_size(n, v, torch.finfo(gdt).bits // 8, chunk, FWD_CHUNK_BUDGET_BYTES)
     logp = torch.empty(n, device=dev, dtype=torch.float32)
@@ -586,7 +516,7 @@ def fused_linear_logprob_bwd(
     dev = h.device
     gdt = _gemm_dtype(h, gemm_dtype)
     triton_path = _use_triton(h, use_triton)
-    epilogue = _triton_bwd_epilogue if triton_path else _torch_bwd_epilogue
+    epilogue = _triton_bwd_epilogue if triton_path else torch_bwd_epilogue
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else None
     dh_acc = torch.zeros(n, d, device=dev, dtype=torch.float32) if need_dh else None
     db = torch.zeros(v, device=dev, dtype=torch.float32) if (need_db and bias is not None) else None
@@ -674,8 +604,8 @@ def fused_linear_logprob_loss_fwd(
     dev, dtype = weight.device, segments[0].dtype
     gdt = gemm_dtype if gemm_dtype is not None else (dtype if weight.is_cuda else torch.float32)
     triton_path = _use_triton(weight, use_triton)
-    fwd_epilogue = _triton_fwd_epilogue if triton_path else _torch_fwd_epilogue
-    bwd_epilogue = _triton_bwd_epilogue if triton_path else _torch_bwd_epilogue
+    fwd_epilogue = _triton_fwd_epilogue if triton_path else torch_fwd_epilogue
+    bwd_epilogue = _triton_bwd_epilogue if triton_path else torch_bwd_epilogue
     wg = weight if weight.dtype == gdt else weight.to(gdt)
     r = row_block(n, v, torch.finfo(gdt).bits // 8, block_rows)
     logp = torch.zeros(n, device=dev, dtype=torch.float32)
@@ -730,19 +660,6 @@ def _rows_of(segments: list[torch.Tensor], r0: int, r1: int) -> list[torch.Tenso
             pieces.append(seg[lo - start : hi - start])
         start += seg.shape[0]
     return pieces
-
-
-def reference_logprob_entropy(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, ignore_index: int = -100
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unfused formula (builds the [N, V] logits): logp (0 at ignored rows) and entropy, in the logits' dtype."""
-    z = (h @ weight.t()) / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    active = labels != ignore_index
-    zy = z.gather(-1, torch.where(active, labels, 0).long().unsqueeze(-1)).squeeze(-1)
-    logp = torch.where(active, zy - lse, torch.zeros_like(lse))
-    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-    return logp, ent
 
 
 __all__ = [

@@ -143,7 +143,7 @@ def test_no_quadratic_tensor_at_run_time(case):
     """At N = 2048 an [N, N] mask has 4M elements; no op of the compiled step (forward or backward) returns a
     tensor of even an eighth of that. The mode watches the compiled graphs' ops as they run (entered around the
     compiled callable and the backward, so Dynamo's guards see no mode); ops inside the custom ops are not seen
-    one by one, and their blocks are bounded by ``CHUNK_BUDGET_BYTES`` (kernels/attention.py)."""
+    one by one, and their blocks are bounded by ``CHUNK_BUDGET_BYTES`` (kernels/attention_reference.py)."""
     from tilecompile.backend import tilecompile_backend
 
     n = 2048
