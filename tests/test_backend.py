@@ -74,7 +74,7 @@ def test_options_reach_the_passes_through_torch_compile(monkeypatch):
     monkeypatch.setattr(pipeline, "load_pass", lambda name: seen.append(name) or _NoopPass)
     f = torch.compile(Tiny(), backend="tilecompile", options=compile_options(fused_linear_ce=False))
     f(torch.randn(2, 8))
-    assert seen == ["canonical", "tensor_parallel", "attention", "tiled_mlp", "layer_regions"]
+    assert seen == ["canonical", "memory_plan", "tensor_parallel", "attention", "tiled_mlp", "layer_regions"]
 
 
 class _NoopPass:

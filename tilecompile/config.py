@@ -35,6 +35,12 @@ _SPECS: dict[str, _Spec] = {
     # needs Inductor's reorder_for_peak_memory off to get the gradients right, on CPU and CUDA
     # (passes/layer_regions.py, region_workarounds; benchmarks/probe_regions_grads.py measured it on the H200)
     "layer_regions": _Spec(bool, True, "checkpointed layers with identical bodies -> one region, compiled once"),
+    # memory_plan: per checkpointed layer, keep its activations (no recompute) where memory_budget allows
+    "memory_plan": _Spec(bool, True, "checkpointed layers kept whole (no recompute) where memory_budget allows"),
+    # memory_plan: the bytes the step's activations may take; 0 = no plan (the model's checkpointing as it is)
+    "memory_budget": _Spec(
+        float, 0.0, "activation memory budget: GiB (> 1), a fraction of the device's memory (<= 1), 0: no plan"
+    ),
     # safety: a failing rewrite raises instead of being undone with a warning
     "strict": _Spec(bool, False, "raise when a pass fails instead of undoing it with a warning"),
     # the compiler the rewritten graph is handed to
@@ -92,6 +98,14 @@ def _parse(name: str, raw: Any, source: str) -> Any:
         if text in _FALSE:
             return False
         raise ValueError(f"{source}={raw!r} is invalid: allowed values are 1/0 (or true/false, on/off)")
+    if spec.kind is float:
+        try:
+            number = float(str(raw).strip()) if not isinstance(raw, bool) else None
+        except ValueError:
+            number = None
+        if number is None or not number >= 0 or number == float("inf"):
+            raise ValueError(f"{source}={raw!r} is invalid: allowed values are finite numbers >= 0")
+        return number
     if spec.kind is int:
         try:
             value = int(str(raw).strip()) if not isinstance(raw, int) or isinstance(raw, bool) else raw
@@ -114,6 +128,8 @@ class Settings:
     fused_linear_ce: bool
     tiled_mlp: bool
     layer_regions: bool
+    memory_plan: bool
+    memory_budget: float
     strict: bool
     inner: str
     log: str
@@ -165,4 +181,14 @@ def load(options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | 
 
 def describe() -> list[tuple[str, str, str]]:
     """(env var, default, meaning) for each setting: the README's flags table."""
-    return [(env_var(n), str(int(s.default) if s.kind is bool else s.default), s.doc) for n, s in _SPECS.items()]
+
+    def shown(spec: _Spec) -> str:
+        return (
+            str(int(spec.default))
+            if spec.kind is bool
+            else f"{spec.default:g}"
+            if spec.kind is float
+            else str(spec.default)
+        )
+
+    return [(env_var(n), shown(s), s.doc) for n, s in _SPECS.items()]

@@ -23,13 +23,14 @@ from tilecompile import reporting
 from tilecompile.config import Settings
 from tilecompile.ops import own_autograd
 from tilecompile.pass_api import EXPECTED, PassContext, PassResult, snapshot_graph
-from tilecompile.passes import attention, canonical, layer_regions, lm_head, mlp, tensor_parallel
+from tilecompile.passes import attention, canonical, layer_regions, lm_head, memory_plan, mlp, tensor_parallel
 
 log = logging.getLogger("tilecompile")
 
 # canonical first: it rewrites spellings that hide a value (x + 0.0, torch.min(a, b), a linear autograd.Function);
+# memory_plan next: a layer it keeps whole joins the root graph before the passes rewrite it;
 # layer_regions last: it compares the checkpoint bodies as the other passes left them
-PASSES = {p.NAME: p for p in (canonical, tensor_parallel, attention, lm_head, mlp, layer_regions)}
+PASSES = {p.NAME: p for p in (canonical, memory_plan, tensor_parallel, attention, lm_head, mlp, layer_regions)}
 PASS_ORDER = tuple(PASSES)
 
 

@@ -1,0 +1,246 @@
+"""Memory as speed: a checkpointed layer is kept whole (its activations saved, nothing recomputed) where the memory
+budget allows; the others stay checkpointed as the model asked.
+
+A user turns activation checkpointing on so that the step fits. Where the device has room, the recompute is time
+given away (about a tenth of the step for a dense model). With a budget (``memory_budget``: GiB when above 1, a
+fraction of the device's memory otherwise; 0, the default, plans nothing), this pass sizes each
+``tag_activation_checkpoint`` call of the root graph from its fake tensors:
+
+- ``saved``: what checkpointing holds until the backward, the call's tensor inputs that are neither parameters nor
+  read by another checkpointed call (the hidden state entering the layer);
+- ``kept``: what the layer would hold without checkpointing, estimated from above as every floating tensor its
+  body computes (views and casts of one tensor not counted twice).
+
+The room is the budget less what the device holds when the graph is compiled (weights, gradients; optimizer states
+made later are not seen) and a reserve of the largest layer's ``kept`` (one layer's recompute or its backward's
+temporaries at a time). The checkpointed inputs of every layer come first; layers are then kept from the last one
+(the first the backward reaches) towards the first while the total fits. A kept layer's body is inlined into the
+root graph: AOTAutograd saves what its backward needs and recomputes nothing, and the tiled MLP pass leaves its MLP
+whole (node meta ``KEPT``). Under dynamic shapes the sizes are symbolic: the plan is decided at the graph's hint and
+guarded (``total <= room``), so a longer sequence that would not fit recompiles and is planned again.
+
+Where the checkpointed inputs alone exceed the room, every layer stays checkpointed and the report says by how much;
+offloading them to host memory is not built yet. Where the user's code already offloads (saved-tensors hooks), the
+compiled graph cannot see it: such a user sets no budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import os
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tilecompile import graph as fxgraph
+from tilecompile import reporting
+from tilecompile.pass_api import PassContext, PassResult
+
+NAME = "memory_plan"
+KEPT = "tilecompile_kept_layer"  # node.meta key: the node belongs to a layer this pass kept whole (its name)
+GIB = 2**30
+_NOT_COMPUTED = frozenset({"detach", "to", "float", "half", "bfloat16", "type_as", "contiguous", "clone"})
+
+
+def _checkpoint_op() -> Any:
+    return torch.ops.higher_order.tag_activation_checkpoint
+
+
+@dataclasses.dataclass
+class Layer:
+    site: fx.Node  # the tag_activation_checkpoint call
+    where: str
+    saved: Any  # bytes (an int, or a SymInt under dynamic shapes)
+    kept: Any
+    why_not: str | None = None  # why the layer cannot be kept, or None
+
+
+@dataclasses.dataclass
+class Plan:
+    keep: list[int]  # indices of the layers kept whole
+    room: int  # bytes the activations may take
+    total: Any  # bytes the plan holds: every layer's saved, the kept layers' kept instead, and the reserve
+    reserve: Any
+    saved: Any  # every layer's saved bytes
+
+
+def _bytes(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return value.numel() * value.element_size()
+
+
+def _hint(n: Any) -> int:
+    if not isinstance(n, torch.SymInt):
+        return int(n)
+    value = fxgraph.hint(n)
+    if value is None:
+        raise ValueError(f"no hint for the size {n}")
+    return value
+
+
+def gib(size: Any) -> str:
+    """Bytes in words: GiB, MiB or KiB."""
+    n = _hint(size)
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def body_of(gm: fx.GraphModule, site: fx.Node) -> fx.GraphModule | None:
+    body = getattr(gm, site.args[0].target, None) if site.args and isinstance(site.args[0], fx.Node) else None
+    return body if isinstance(body, fx.GraphModule) else None
+
+
+def _is_parameter(node: Any) -> bool:
+    value = fxgraph.example_value(node)
+    return isinstance(value, torch.nn.Parameter) or (
+        node.op in ("placeholder", "get_attr") and ("_parameters_" in node.name or "_buffers_" in node.name)
+    )
+
+
+def size_layers(gm: fx.GraphModule, sites: list[fx.Node]) -> list[Layer]:
+    readers: dict[fx.Node, int] = {}
+    for site in sites:
+        for a in set(site.all_input_nodes):
+            readers[a] = readers.get(a, 0) + 1
+    layers = []
+    for site in sites:
+        saved = sum(
+            (_bytes(fxgraph.example_value(a)) for a in dict.fromkeys(site.all_input_nodes)
+             if readers[a] == 1 and not _is_parameter(a)),
+            0,
+        )  # fmt: skip
+        body = body_of(gm, site)
+        kept = 0
+        for n in body.graph.nodes if body is not None else ():
+            value = fxgraph.example_value(n)
+            if n.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
+                continue
+            if not value.is_floating_point() or fxgraph.is_view_like(n) or fxgraph.op(n) in _NOT_COMPUTED:
+                continue
+            kept = kept + _bytes(value)
+        why_not = None
+        if body is None:
+            why_not = "its body is not a graph module"
+        elif any(not (u.op == "call_function" and u.target is operator.getitem) for u in site.users):
+            why_not = "its outputs are used other than one by one (getitem)"
+        layers.append(Layer(site, _where(gm, site), saved, kept, why_not))
+    return layers
+
+
+def _where(gm: fx.GraphModule, site: fx.Node) -> str:
+    body = body_of(gm, site)
+    if body is None:
+        return fxgraph.module_path(site)
+    return fxgraph.common_module_path(n for n in body.graph.nodes if n.op == "call_function") or site.name
+
+
+def choose(layers: list[Layer], room: int) -> Plan:
+    """Keep layers from the last while the total fits ``room`` at the sizes' hints."""
+    saved = sum((layer.saved for layer in layers), 0)
+    reserve = max((layer.kept for layer in layers), key=_hint, default=0)
+    total = saved + reserve
+    keep: list[int] = []
+    for i in reversed(range(len(layers))):
+        if layers[i].why_not is not None:
+            continue
+        extra = layers[i].kept - layers[i].saved
+        if _hint(total + extra) > room:
+            break
+        total = total + extra
+        keep.append(i)
+    return Plan(sorted(keep), room, total, reserve, saved)
+
+
+def room_for(budget: float, device: torch.device) -> tuple[int, str]:
+    """(bytes the activations may take, words for the report) from the budget and what the device holds now."""
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        held = torch.cuda.memory_allocated(device)
+    else:
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        held = 0
+    limit = int(budget * GIB) if budget > 1 else int(budget * capacity)
+    words = f"budget {gib(limit)}" + (f", {gib(held)} already held" if held else "")
+    return max(0, limit - held), words
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    result = PassResult()
+    budget = ctx.settings.memory_budget
+    if budget <= 0 or ctx.graph_name != "<root>":  # no budget: the model's checkpointing as it is
+        return result
+    sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _checkpoint_op()]
+    if not sites:
+        return result
+    layers = size_layers(gm, sites)
+    for layer in layers:
+        result.consider(layer.site, f"checkpointed layer {layer.where}")
+    device = next((v.device for a in sites[0].all_input_nodes if isinstance(v := fxgraph.example_value(a),
+                   torch.Tensor)), torch.device("cpu"))  # fmt: skip
+    room, words = room_for(budget, device)
+    plan = choose(layers, room)
+    if plan.keep:
+        bool(plan.total <= room)  # under dynamic shapes: a guard, so a length the plan does not fit re-plans
+    elif not isinstance(plan.saved + plan.reserve, int):
+        bool(plan.saved + plan.reserve + (layers[-1].kept - layers[-1].saved) > room)
+    for i, layer in enumerate(layers):
+        if i in plan.keep:
+            continue
+        if layer.why_not is not None:
+            reason = f"checkpointed: it cannot be kept whole ({layer.why_not})"
+        elif _hint(plan.saved + plan.reserve) > room:
+            reason = (f"checkpointed: the layers' checkpointed inputs ({gib(plan.saved)}) and one layer's recompute "
+                      f"({gib(plan.reserve)}) already exceed the room ({gib(room)}; {words}); offloading them to "
+                      "host memory is not built yet")  # fmt: skip
+        else:
+            reason = (f"checkpointed: keeping it too would add about {gib(layer.kept - layer.saved)} to the plan's "
+                      f"{gib(plan.total)}, past the room of {gib(room)} ({words})")  # fmt: skip
+        result.skip(layer.site, reporting.Skip(NAME, f"checkpointed layer {layer.where}", layer.where, reason))
+    for i in plan.keep:
+        layer = layers[i]
+        inline(gm, layer.site, layer.where)
+        detail = (f"kept whole: its activations saved (about {gib(layer.kept)}), nothing recomputed; "
+                  f"{len(plan.keep)} of {len(layers)} layers kept, the plan holds about {gib(plan.total)} of the "
+                  f"room's {gib(room)} ({words})")  # fmt: skip
+        result.rewrote(layer.site, reporting.Rewrite(NAME, layer.where, detail=detail))
+    if plan.keep:
+        fxgraph.eliminate_dead_code(gm.graph)
+    return result
+
+
+def inline(gm: fx.GraphModule, site: fx.Node, name: str) -> None:
+    """Replace the checkpoint call ``site`` by its body's nodes, each marked ``KEPT``; its getitems by the values."""
+    body = body_of(gm, site)
+    inputs = iter(site.args[1:])
+    env: dict[fx.Node, Any] = {}
+    outputs: Any = None
+    for n in body.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = next(inputs)
+        elif n.op == "output":
+            outputs = fx.node.map_arg(n.args[0], env.__getitem__)
+        else:
+            with gm.graph.inserting_before(site):
+                if n.op == "get_attr":  # a nested module of the body: carried over under a fresh name
+                    attr = f"{site.name}_{n.target}".replace(".", "_")
+                    setattr(gm, attr, functools.reduce(getattr, n.target.split("."), body))
+                    new = gm.graph.get_attr(attr)
+                    new.meta = dict(n.meta)
+                else:
+                    new = gm.graph.node_copy(n, env.__getitem__)
+            new.meta[KEPT] = name
+            env[n] = new
+    for user in list(site.users):  # getitems only (size_layers)
+        user.replace_all_uses_with(outputs[user.args[1]])
+        gm.graph.erase_node(user)
+    holder = site.args[0]
+    gm.graph.erase_node(site)
+    if not holder.users:  # the body is gone from the graph: no pass should rewrite it again
+        gm.graph.erase_node(holder)
+        delattr(gm, holder.target)

@@ -1,0 +1,197 @@
+"""memory_plan: a checkpointed layer is kept whole (no recompute) where the memory budget allows.
+
+The planner's choice for given sizes and rooms (static and symbolic), and through a tiny HF Qwen2 with gradient
+checkpointing: values and gradients equal to eager's (float64) with every choice, the saved-tensor bytes that keeping
+costs, the report's reasons, and a longer sequence that no longer fits planned again."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_close, compile_options
+
+import tilecompile
+from tilecompile import config
+from tilecompile.passes import memory_plan
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    tilecompile.reset()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _layers(*sizes):
+    return [memory_plan.Layer(site=None, where=f"layers.{i}", saved=s, kept=k) for i, (s, k) in enumerate(sizes)]
+
+
+def test_choose_keeps_layers_from_the_last_while_they_fit():
+    layers = _layers((10, 100), (10, 100), (10, 100), (10, 100))
+    base = 4 * 10 + 100  # every layer's checkpointed input and one layer's recompute
+    assert memory_plan.choose(layers, base - 1).keep == []
+    assert memory_plan.choose(layers, base).keep == []
+    assert memory_plan.choose(layers, base + 90).keep == [3]
+    assert memory_plan.choose(layers, base + 2 * 90 + 89).keep == [2, 3]
+    plan = memory_plan.choose(layers, 10**9)
+    assert plan.keep == [0, 1, 2, 3] and plan.total == base + 4 * 90
+    layers[2].why_not = "its outputs are used other than one by one (getitem)"
+    assert memory_plan.choose(layers, base + 2 * 90).keep == [1, 3]  # a layer that cannot be kept is passed over
+
+
+def test_choose_with_symbolic_sizes_decides_at_the_hint_and_guards():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    symbol = env.create_symbol(64, source=ConstantSource("n"), dynamic_dim=DimDynamic.DYNAMIC)
+    n = env.create_symintnode(symbol, hint=64)
+    layers = _layers((n * 8, n * 80), (n * 8, n * 80))
+    plan = memory_plan.choose(layers, 64 * (16 + 80 + 72))  # fits one kept layer at n = 64
+    assert plan.keep == [1]
+    assert memory_plan._hint(plan.total) == 64 * (16 + 80 + 72)
+    assert bool(plan.total <= 64 * (16 + 80 + 72))  # what the pass evaluates: a guard on n
+    assert env.guards, "the plan's fit must be guarded"
+
+
+def test_memory_budget_setting():
+    assert config.load({}).memory_budget == 0.0
+    assert config.load({"memory_budget": "12.5"}).memory_budget == 12.5
+    assert config.load(environ={"TILECOMPILE_MEMORY_BUDGET": "0.8"}).memory_budget == 0.8
+    for bad in ("-1", "lots", "inf", True):
+        with pytest.raises(ValueError, match="memory_budget"):
+            config.load({"memory_budget": bad})
+
+
+# ------------------------------------------------------------------------------------------ through HF Qwen2
+
+
+def _model(layers=3):
+    cfg = transformers.Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).double()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.train()
+
+
+def _step(model, ids):
+    logits = model(input_ids=ids).logits[:, :-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return -logp.mean()
+
+
+def _saved_bytes(fn, *args):
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, total[0]
+
+
+def _run(room, ids, monkeypatch, dynamic=None, model=None):
+    """Compile the step with a budget whose room is ``room`` bytes (a function of the layers, or None: no budget);
+    returns (loss, grads, saved bytes, report) and checks loss and grads against eager."""
+    tilecompile.reset()
+    torch._dynamo.reset()
+    model = model or _model()
+    reference = copy.deepcopy(model)
+    if room is not None:
+        monkeypatch.setattr(memory_plan, "room_for", lambda budget, device: (room, "budget set by the test"))
+    options = compile_options(inner="aot_eager", memory_budget=1.0 if room is not None else 0.0, mlp_min_tokens=0)
+    f = torch.compile(_step, backend="tilecompile", options=options, dynamic=dynamic)
+    loss, saved = _saved_bytes(f, model, ids)
+    loss.backward()
+    expected = _step(reference, ids)
+    expected.backward()
+    assert_close(loss, expected, rtol=1e-10, atol=1e-12, name="loss")
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p.grad, r.grad, rtol=1e-9, atol=1e-11, name=name)
+    return saved, tilecompile.report()
+
+
+def _layer_sizes(ids):
+    """The planner's own sizes of the model's three layers for ``ids`` (read from a compile without a budget)."""
+    seen = []
+    real = memory_plan.choose
+
+    def spy(layers, room):
+        seen.extend((memory_plan._hint(x.saved), memory_plan._hint(x.kept)) for x in layers)
+        return real(layers, room)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(memory_plan, "choose", spy)
+    mp.setattr(memory_plan, "room_for", lambda budget, device: (0, "sizing"))
+    options = compile_options(inner="aot_eager", memory_budget=1.0, mlp_min_tokens=0)
+    torch.compile(_step, backend="tilecompile", options=options)(_model(), ids)
+    mp.undo()
+    tilecompile.reset()
+    torch._dynamo.reset()
+    return seen
+
+
+def test_every_choice_matches_eager_and_keeping_saves_more(monkeypatch):
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    sizes = _layer_sizes(ids)
+    assert len(sizes) == 3 and all(s > 0 and k > s for s, k in sizes)
+    base = sum(s for s, _ in sizes) + max(k for _, k in sizes)
+    extra = [k - s for s, k in sizes]
+
+    saved_none, rep = _run(None, ids, monkeypatch)  # no budget: the model's checkpointing
+    assert "memory_plan" not in rep.counts or rep.counts["memory_plan"] == 0
+    assert rep.counts["tiled_mlp"] == 3
+
+    saved_all, rep = _run(10**12, ids, monkeypatch)
+    assert rep.counts["memory_plan"] == 3
+    mlp_reasons = [s.reason for s in rep.skipped if s.pass_name == "tiled_mlp"]
+    assert len(mlp_reasons) == 3 and all("keeps layer" in r for r in mlp_reasons)
+    assert saved_all > saved_none, (saved_all, saved_none)  # kept layers save their activations
+
+    saved_one, rep = _run(base + extra[2], ids, monkeypatch)  # room for the last layer only
+    assert rep.counts["memory_plan"] == 1
+    assert [r.module_path for r in rep.rewrites if r.pass_name == "memory_plan"] == ["model.layers.2"]
+    left = [s for s in rep.skipped if s.pass_name == "memory_plan"]
+    assert [s.module_path for s in left] == ["model.layers.0", "model.layers.1"]
+    assert all("past the room" in s.reason for s in left)
+    assert saved_none < saved_one < saved_all
+
+    _, rep = _run(base - 1, ids, monkeypatch)  # not even the checkpointed inputs fit
+    left = [s for s in rep.skipped if s.pass_name == "memory_plan"]
+    assert len(left) == 3 and all("offloading them to host memory is not built yet" in s.reason for s in left)
+
+
+def test_a_longer_sequence_that_no_longer_fits_is_planned_again(monkeypatch):
+    short = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    long = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(3))
+    sizes = _layer_sizes(short)
+    room = 2 * (sum(s for s, _ in sizes) + max(k for _, k in sizes) + sum(k - s for s, k in sizes))  # 2x all kept
+    model = _model()
+    reference = copy.deepcopy(model)
+    monkeypatch.setattr(memory_plan, "room_for", lambda budget, device: (room, "budget set by the test"))
+    options = compile_options(inner="aot_eager", memory_budget=1.0, mlp_min_tokens=0)
+    f = torch.compile(_step, backend="tilecompile", options=options, dynamic=True)
+    kept = []
+    for ids in (short, long):
+        tilecompile.reset()
+        loss = f(model, ids)
+        loss.backward()
+        expected = _step(reference, ids)
+        expected.backward()
+        assert_close(loss, expected, rtol=1e-10, atol=1e-12, name="loss")
+        for p, r in zip(model.parameters(), reference.parameters()):
+            assert_close(p.grad, r.grad, rtol=1e-9, atol=1e-11, name="grad")
+        kept.append(tilecompile.report().counts.get("memory_plan", 0))
+    assert kept[0] == 3  # at 9 tokens every layer fits twice over
+    assert kept[1] < 3  # at 40 the guard fails: compiled again, fewer layers kept
