@@ -42,6 +42,7 @@ from tilecompile.pass_api import PassContext, PassResult
 NAME = "memory_plan"
 KEPT = "tilecompile_kept_layer"  # node.meta key: the node belongs to a layer this pass kept whole (its name)
 GIB = 2**30
+AUTO_FRACTION = 0.85  # the budget under auto: of a CUDA device's memory (the rest: the allocator's fragmentation)
 _NOT_COMPUTED = frozenset({"detach", "to", "float", "half", "bfloat16", "type_as", "contiguous", "clone"})
 
 
@@ -157,8 +158,20 @@ def choose(layers: list[Layer], room: int) -> Plan:
     return Plan(sorted(keep), room, total, reserve, saved)
 
 
-def room_for(budget: float, device: torch.device) -> tuple[int, str]:
-    """(bytes the activations may take, words for the report) from the budget and what the device holds now."""
+def trainable_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the graph's parameters that require grad (at their hints)."""
+    total = 0
+    for n in gm.graph.nodes:
+        value = fxgraph.example_value(n)
+        if n.op in ("placeholder", "get_attr") and isinstance(value, torch.Tensor) and value.requires_grad:
+            total += _hint(_bytes(value)) if _is_parameter(n) else 0
+    return total
+
+
+def room_for(budget: float, device: torch.device, trainable: int = 0) -> tuple[int, str]:
+    """(bytes the activations may take, words for the report) from the budget, what the device holds now, and the
+    gradients and optimizer states still to come: estimated from above as three times the trainable weights (a grad
+    and two Adam states of their dtype), whether or not some exist already."""
     if device.type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory
         held = torch.cuda.memory_allocated(device)
@@ -166,24 +179,80 @@ def room_for(budget: float, device: torch.device) -> tuple[int, str]:
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         held = 0
     limit = int(budget * GIB) if budget > 1 else int(budget * capacity)
-    words = f"budget {gib(limit)}" + (f", {gib(held)} already held" if held else "")
-    return max(0, limit - held), words
+    to_come = 3 * trainable
+    words = f"budget {gib(limit)}" + (f", {gib(held)} held when compiled" if held else "")
+    words += f", {gib(to_come)} set aside for grads and optimizer states" if to_come else ""
+    return max(0, limit - held - to_come), words
+
+
+def _budget(setting: float | None, device: torch.device) -> float:
+    """The budget in force: the setting, or under auto AUTO_FRACTION of a CUDA device (0, no plan, on a CPU)."""
+    if setting is not None:
+        return setting
+    return AUTO_FRACTION if device.type == "cuda" else 0.0
+
+
+def _device(nodes: Any) -> torch.device:
+    for n in nodes:
+        value = fxgraph.example_value(n)
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def graph_activations(gm: fx.GraphModule) -> tuple[Any, Any]:
+    """(every floating tensor the graph computes, the largest of them): from above, what its backward could save,
+    and one temporary of its own."""
+    total, largest = 0, 0
+    for n in gm.graph.nodes:
+        value = fxgraph.example_value(n)
+        if n.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
+            continue
+        if not value.is_floating_point() or fxgraph.is_view_like(n) or fxgraph.op(n) in _NOT_COMPUTED:
+            continue
+        size = _bytes(value)
+        total = total + size
+        largest = size if _hint(size) > _hint(largest) else largest
+    return total, largest
+
+
+def plan_uncheckpointed(gm: fx.GraphModule, settings: Any) -> None:
+    """No checkpointed layer: where everything the graph computes fits the room, its nodes are marked ``KEPT``, so
+    the tiled MLP pass leaves the MLPs whole (tiled, they recompute the gate and up projections in the backward)."""
+    device = _device(gm.graph.find_nodes(op="placeholder"))
+    budget = _budget(settings.memory_budget, device)
+    if budget <= 0:
+        return
+    total, largest = graph_activations(gm)
+    room, words = room_for(budget, device, trainable_bytes(gm))
+    fits = _hint(total + largest) <= room
+    if not isinstance(total, int):
+        bool(total + largest <= room)  # a guard on the answer: a length on the other side of the fit re-plans
+    if not fits:
+        return
+    subject = f"the whole graph (no checkpointing; at most {gib(total)} of activations, within the room of "
+    subject += f"{gib(room)}: {words})"
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta[KEPT] = subject
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult()
-    budget = ctx.settings.memory_budget
-    if budget <= 0 or ctx.graph_name != "<root>":  # no budget: the model's checkpointing as it is
+    if ctx.settings.memory_budget == 0 or ctx.graph_name != "<root>":  # no plan: the model's checkpointing as it is
         return result
     sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _checkpoint_op()]
     if not sites:
+        plan_uncheckpointed(gm, ctx.settings)
+        return result
+    device = _device(a for site in sites for a in site.all_input_nodes)
+    budget = _budget(ctx.settings.memory_budget, device)
+    if budget <= 0:
         return result
     layers = size_layers(gm, sites)
     for layer in layers:
         result.consider(layer.site, f"checkpointed layer {layer.where}")
-    device = next((v.device for a in sites[0].all_input_nodes if isinstance(v := fxgraph.example_value(a),
-                   torch.Tensor)), torch.device("cpu"))  # fmt: skip
-    room, words = room_for(budget, device)
+    room, words = room_for(budget, device, trainable_bytes(gm))
     plan = choose(layers, room)
     if plan.keep:
         bool(plan.total <= room)  # under dynamic shapes: a guard, so a length the plan does not fit re-plans
@@ -234,7 +303,7 @@ def inline(gm: fx.GraphModule, site: fx.Node, name: str) -> None:
                     new.meta = dict(n.meta)
                 else:
                     new = gm.graph.node_copy(n, env.__getitem__)
-            new.meta[KEPT] = name
+            new.meta[KEPT] = f"layer {name}"
             env[n] = new
     for user in list(site.users):  # getitems only (size_layers)
         user.replace_all_uses_with(outputs[user.args[1]])

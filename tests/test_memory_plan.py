@@ -60,7 +60,6 @@ def test_choose_with_symbolic_sizes_decides_at_the_hint_and_guards():
 
 
 def test_memory_budget_setting():
-    assert config.load({}).memory_budget == 0.0
     assert config.load({"memory_budget": "12.5"}).memory_budget == 12.5
     assert config.load(environ={"TILECOMPILE_MEMORY_BUDGET": "0.8"}).memory_budget == 0.8
     for bad in ("-1", "lots", "inf", True):
@@ -101,7 +100,7 @@ def _saved_bytes(fn, *args):
     return out, total[0]
 
 
-def _run(room, ids, monkeypatch, dynamic=None, model=None):
+def _run(room, ids, monkeypatch, dynamic=None, model=None, budget=None):
     """Compile the step with a budget whose room is ``room`` bytes (a function of the layers, or None: no budget);
     returns (loss, grads, saved bytes, report) and checks loss and grads against eager."""
     tilecompile.reset()
@@ -109,8 +108,9 @@ def _run(room, ids, monkeypatch, dynamic=None, model=None):
     model = model or _model()
     reference = copy.deepcopy(model)
     if room is not None:
-        monkeypatch.setattr(memory_plan, "room_for", lambda budget, device: (room, "budget set by the test"))
-    options = compile_options(inner="aot_eager", memory_budget=1.0 if room is not None else 0.0, mlp_min_tokens=0)
+        monkeypatch.setattr(memory_plan, "room_for", lambda *args: (room, "budget set by the test"))
+    budget = budget if budget is not None else 1.0 if room is not None else 0.0
+    options = compile_options(inner="aot_eager", memory_budget=budget, mlp_min_tokens=0)
     f = torch.compile(_step, backend="tilecompile", options=options, dynamic=dynamic)
     loss, saved = _saved_bytes(f, model, ids)
     loss.backward()
@@ -133,7 +133,7 @@ def _layer_sizes(ids):
 
     mp = pytest.MonkeyPatch()
     mp.setattr(memory_plan, "choose", spy)
-    mp.setattr(memory_plan, "room_for", lambda budget, device: (0, "sizing"))
+    mp.setattr(memory_plan, "room_for", lambda *args: (0, "sizing"))
     options = compile_options(inner="aot_eager", memory_budget=1.0, mlp_min_tokens=0)
     torch.compile(_step, backend="tilecompile", options=options)(_model(), ids)
     mp.undo()
@@ -179,7 +179,7 @@ def test_a_longer_sequence_that_no_longer_fits_is_planned_again(monkeypatch):
     room = 2 * (sum(s for s, _ in sizes) + max(k for _, k in sizes) + sum(k - s for s, k in sizes))  # 2x all kept
     model = _model()
     reference = copy.deepcopy(model)
-    monkeypatch.setattr(memory_plan, "room_for", lambda budget, device: (room, "budget set by the test"))
+    monkeypatch.setattr(memory_plan, "room_for", lambda *args: (room, "budget set by the test"))
     options = compile_options(inner="aot_eager", memory_budget=1.0, mlp_min_tokens=0)
     f = torch.compile(_step, backend="tilecompile", options=options, dynamic=True)
     kept = []
@@ -195,3 +195,49 @@ def test_a_longer_sequence_that_no_longer_fits_is_planned_again(monkeypatch):
         kept.append(tilecompile.report().counts.get("memory_plan", 0))
     assert kept[0] == 3  # at 9 tokens every layer fits twice over
     assert kept[1] < 3  # at 40 the guard fails: compiled again, fewer layers kept
+
+
+def test_auto_budget_plans_on_cuda_only_and_sets_aside_grads_and_optimizer_states():
+    assert config.load({}).memory_budget is None  # auto
+    assert config.load({"memory_budget": "auto"}).memory_budget is None
+    assert memory_plan._budget(None, torch.device("cpu")) == 0.0
+    assert memory_plan._budget(None, torch.device("cuda", 0)) == memory_plan.AUTO_FRACTION
+    assert memory_plan._budget(12.0, torch.device("cpu")) == 12.0
+    room, words = memory_plan.room_for(4.0, torch.device("cpu"), trainable=2**30)
+    assert room == 1 * 2**30 and "3.00 GiB set aside for grads and optimizer states" in words
+    assert memory_plan.room_for(2.0, torch.device("cpu"), trainable=2**30)[0] == 0
+
+
+def test_auto_budget_leaves_a_cpu_graph_as_it_is():
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    f = torch.compile(_step, backend="tilecompile", options=compile_options(inner="aot_eager", mlp_min_tokens=0))
+    f(_model(), ids).backward()
+    rep = tilecompile.report()
+    assert rep.counts.get("memory_plan", 0) == 0 and rep.counts["tiled_mlp"] == 3
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_without_checkpointing_the_mlps_stay_whole_where_the_graph_fits(monkeypatch, fits):
+    """No checkpointed layer: the plan weighs the whole graph's activations; where they fit, the tiled MLP pass
+    leaves every MLP whole and says why; where not, the MLPs are tiled as before. Values and grads equal eager's."""
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    model = _model()
+    model.gradient_checkpointing_disable()
+    seen = {}
+    real = memory_plan.graph_activations
+
+    def spy(gm):
+        seen["total"], seen["largest"] = real(gm)
+        return seen["total"], seen["largest"]
+
+    monkeypatch.setattr(memory_plan, "graph_activations", spy)
+    room = 10**12 if fits else 0
+    monkeypatch.setattr(memory_plan, "room_for", lambda *args: (room, "budget set by the test"))
+    _, rep = _run(None, ids, monkeypatch, model=model, budget=1.0)
+    assert seen["total"] > 0
+    reasons = [s.reason for s in rep.skipped if s.pass_name == "tiled_mlp"]
+    if fits:
+        assert rep.counts.get("tiled_mlp", 0) == 0
+        assert len(reasons) == 3 and all("keeps the whole graph (no checkpointing" in r for r in reasons)
+    else:
+        assert rep.counts["tiled_mlp"] == 3 and not reasons

@@ -37,9 +37,11 @@ _SPECS: dict[str, _Spec] = {
     "layer_regions": _Spec(bool, True, "checkpointed layers with identical bodies -> one region, compiled once"),
     # memory_plan: per checkpointed layer, keep its activations (no recompute) where memory_budget allows
     "memory_plan": _Spec(bool, True, "checkpointed layers kept whole (no recompute) where memory_budget allows"),
-    # memory_plan: the bytes the step's activations may take; 0 = no plan (the model's checkpointing as it is)
+    # memory_plan: the device memory the whole step may take (weights, grads, optimizer states, activations);
+    # None = auto: AUTO_MEMORY_FRACTION of a CUDA device's memory, no plan on a CPU; 0 = no plan
     "memory_budget": _Spec(
-        float, 0.0, "activation memory budget: GiB (> 1), a fraction of the device's memory (<= 1), 0: no plan"
+        float, None, "memory the step may take: auto (0.85 of a CUDA device's, no plan on CPU), GiB (> 1), a fraction "
+        "of the device's memory (<= 1), 0: no plan"
     ),
     # safety: a failing rewrite raises instead of being undone with a warning
     "strict": _Spec(bool, False, "raise when a pass fails instead of undoing it with a warning"),
@@ -99,12 +101,15 @@ def _parse(name: str, raw: Any, source: str) -> Any:
             return False
         raise ValueError(f"{source}={raw!r} is invalid: allowed values are 1/0 (or true/false, on/off)")
     if spec.kind is float:
+        if spec.default is None and str(raw).strip().lower() == "auto":
+            return None
         try:
             number = float(str(raw).strip()) if not isinstance(raw, bool) else None
         except ValueError:
             number = None
         if number is None or not number >= 0 or number == float("inf"):
-            raise ValueError(f"{source}={raw!r} is invalid: allowed values are finite numbers >= 0")
+            allowed = "auto or finite numbers >= 0" if spec.default is None else "finite numbers >= 0"
+            raise ValueError(f"{source}={raw!r} is invalid: allowed values are {allowed}")
         return number
     if spec.kind is int:
         try:
@@ -129,7 +134,7 @@ class Settings:
     tiled_mlp: bool
     layer_regions: bool
     memory_plan: bool
-    memory_budget: float
+    memory_budget: float | None  # None: auto
     strict: bool
     inner: str
     log: str
@@ -186,7 +191,7 @@ def describe() -> list[tuple[str, str, str]]:
         return (
             str(int(spec.default))
             if spec.kind is bool
-            else f"{spec.default:g}"
+            else ("auto" if spec.default is None else f"{spec.default:g}")
             if spec.kind is float
             else str(spec.default)
         )

@@ -269,9 +269,9 @@ def check_dtypes(m: GatedMLP) -> str | None:
 
 def check_kept(m: GatedMLP) -> str | None:
     """A layer the memory plan keeps whole (passes/memory_plan.py) keeps its MLP whole too: memory allows it."""
-    layer = m.down.node.meta.get(memory_plan.KEPT)
-    if layer is not None:
-        return f"the memory plan keeps layer {layer} whole (memory_budget allows): tiling would only cost time"
+    kept = m.down.node.meta.get(memory_plan.KEPT)
+    if kept is not None:
+        return f"the memory plan keeps {kept} whole (memory_budget allows): tiling would only cost time"
     return None
 
 
