@@ -40,8 +40,10 @@ _SPECS: dict[str, _Spec] = {
     # memory_plan: the device memory the whole step may take (weights, grads, optimizer states, activations);
     # None = auto: AUTO_MEMORY_FRACTION of a CUDA device's memory, no plan on a CPU; 0 = no plan
     "memory_budget": _Spec(
-        float, None, "memory the step may take: auto (0.85 of a CUDA device's, no plan on CPU), GiB (> 1), a fraction "
-        "of the device's memory (<= 1), 0: no plan"
+        float,
+        None,
+        "memory the step may take: auto (0.85 of a CUDA device's, no plan on CPU), GiB (> 1), a fraction "
+        "of the device's memory (<= 1), 0: no plan",
     ),
     # safety: a failing rewrite raises instead of being undone with a warning
     "strict": _Spec(bool, False, "raise when a pass fails instead of undoing it with a warning"),
