@@ -130,7 +130,7 @@ def _run_pass(gm: fx.GraphModule, name: str, settings: Settings, graph_name: str
         return
     reporting.record(rewrites=result.rewrites, skipped=result.skipped)
     for r in result.rewrites:
-        log.info("%s rewrote %s %s", name, r.module_path or "<root>", r.shapes)
+        log.info("%s rewrote %s %s%s", name, r.module_path or "<root>", r.shapes, f": {r.detail}" if r.detail else "")
     for s in result.skipped:
         log.info("%s skipped %s at %s: %s", name, s.candidate, s.module_path or "<root>", s.reason)
 
