@@ -21,7 +21,7 @@ guarded (``total <= room``), so a longer sequence that would not fit recompiles 
 
 Where the checkpointed inputs alone exceed the room, every layer stays checkpointed and the report says by how much;
 offloading them to host memory is not built yet. Where the user's code already offloads (saved-tensors hooks), the
-compiled graph cannot see it: such a user sets no budget.
+backend sees the hooks on the stack when it compiles: the plan then leaves the layers checkpointed and says so.
 """
 
 from __future__ import annotations
@@ -242,8 +242,10 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if ctx.settings.memory_budget == 0 or ctx.graph_name != "<root>":  # no plan: the model's checkpointing as it is
         return result
     sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _checkpoint_op()]
+    hooked = user_saved_tensors_hooks()
     if not sites:
-        plan_uncheckpointed(gm, ctx.settings)
+        if not hooked:
+            plan_uncheckpointed(gm, ctx.settings)
         return result
     device = _device(a for site in sites for a in site.all_input_nodes)
     budget = _budget(ctx.settings.memory_budget, device)
@@ -252,6 +254,12 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     layers = size_layers(gm, sites)
     for layer in layers:
         result.consider(layer.site, f"checkpointed layer {layer.where}")
+    if hooked:
+        reason = ("checkpointed, as the model asks: the step runs under saved-tensors hooks (the user's code offloads "
+                  "or packs what the backward saves), which the plan leaves alone")  # fmt: skip
+        for layer in layers:
+            result.skip(layer.site, reporting.Skip(NAME, f"checkpointed layer {layer.where}", layer.where, reason))
+        return result
     room, words = room_for(budget, device, trainable_bytes(gm))
     plan = choose(layers, room)
     if plan.keep:
@@ -281,6 +289,13 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if plan.keep:
         fxgraph.eliminate_dead_code(gm.graph)
     return result
+
+
+def user_saved_tensors_hooks() -> bool:
+    """Whether the step is being compiled under saved-tensors hooks of the user's (TRL's or torchtune's activation
+    offloading, a ``saved_tensors_hooks`` context): they are on the stack while the backend runs."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(True) is not None
 
 
 def inline(gm: fx.GraphModule, site: fx.Node, name: str) -> None:

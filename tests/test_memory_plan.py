@@ -241,3 +241,32 @@ def test_without_checkpointing_the_mlps_stay_whole_where_the_graph_fits(monkeypa
         assert len(reasons) == 3 and all("keeps the whole graph (no checkpointing" in r for r in reasons)
     else:
         assert rep.counts["tiled_mlp"] == 3 and not reasons
+
+
+def test_a_step_under_the_users_saved_tensors_hooks_is_left_alone(monkeypatch):
+    """TRL's and torchtune's activation offloading wrap the step in saved-tensors hooks: the plan keeps nothing and
+    says why, even with room for every layer; the hooks still see every saved tensor; values and grads match."""
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(5))
+    model = _model()
+    reference = copy.deepcopy(model)
+    monkeypatch.setattr(memory_plan, "room_for", lambda *args: (10**12, "budget set by the test"))
+    packed = []
+
+    def pack(t):
+        packed.append(t.numel())
+        return t
+
+    options = compile_options(inner="aot_eager", memory_budget=1.0, mlp_min_tokens=0)
+    f = torch.compile(_step, backend="tilecompile", options=options)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = f(model, ids)
+    loss.backward()
+    expected = _step(reference, ids)
+    expected.backward()
+    assert_close(loss, expected, rtol=1e-10, atol=1e-12, name="loss")
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert_close(p.grad, r.grad, rtol=1e-9, atol=1e-11, name="grad")
+    rep = tilecompile.report()
+    assert rep.counts.get("memory_plan", 0) == 0 and packed
+    left = [s.reason for s in rep.skipped if s.pass_name == "memory_plan"]
+    assert len(left) == 3 and all("saved-tensors hooks" in r for r in left)
