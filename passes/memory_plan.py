@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from tilecompile import graph as fxgraph
-from tilecompile import reporting
+from tilecompile import ops, reporting
 from tilecompile.pass_api import PassContext, PassResult
 
 NAME = "memory_plan"
@@ -242,7 +242,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if ctx.settings.memory_budget == 0 or ctx.graph_name != "<root>":  # no plan: the model's checkpointing as it is
         return result
     sites = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _checkpoint_op()]
-    hooked = user_saved_tensors_hooks()
+    hooked = ops.user_saved_tensors_hooks()
     if not sites:
         if not hooked:
             plan_uncheckpointed(gm, ctx.settings)
@@ -289,13 +289,6 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if plan.keep:
         fxgraph.eliminate_dead_code(gm.graph)
     return result
-
-
-def user_saved_tensors_hooks() -> bool:
-    """Whether the step is being compiled under saved-tensors hooks of the user's (TRL's or torchtune's activation
-    offloading, a ``saved_tensors_hooks`` context): they are on the stack while the backend runs."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(True) is not None
 
 
 def inline(gm: fx.GraphModule, site: fx.Node, name: str) -> None:

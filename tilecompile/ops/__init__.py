@@ -29,5 +29,21 @@ def own_autograd() -> Iterator[None]:
     of no-op hooks goes on top of the stack. Where hooks are disabled (``disable_saved_tensors_hooks``), none can
     run and none may be pushed."""
     enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)()
-    with torch.autograd.graph.saved_tensors_hooks(_keep, _keep) if enabled else contextlib.nullcontext():
-        yield
+    _beneath.append(user_saved_tensors_hooks())
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep) if enabled else contextlib.nullcontext():
+            yield
+    finally:
+        _beneath.pop()
+
+
+_beneath: list[bool] = []  # per own_autograd() entered: whether the user's hooks were on the stack beneath it
+
+
+def user_saved_tensors_hooks() -> bool:
+    """Whether saved-tensors hooks of the user's (activation offloading: TRL's, torchtune's, a
+    ``saved_tensors_hooks`` context around the step) are on the stack, seen through ``own_autograd``'s own."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)(True)
+    if top is not None and all(f is _keep for f in top):
+        return bool(_beneath) and _beneath[-1]
+    return top is not None
