@@ -162,7 +162,7 @@ def _fused_gate_up(gate_weight: Tensor, up_weight: Tensor) -> Tensor | None:
     e, d, i = gate_weight.shape
     if gate_weight.stride() != up_weight.stride() or gate_weight.dtype != up_weight.dtype or i == 0:
         return None
-    if gate_weight.untyped_storage().data_ptr() != up_weight.untyped_storage().data_ptr():
+    if not torch._C._is_alias_of(up_weight, gate_weight):  # not views of one storage
         return None
     if up_weight.storage_offset() != gate_weight.storage_offset() + i * gate_weight.stride(2):
         return None
