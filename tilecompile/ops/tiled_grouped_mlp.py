@@ -183,13 +183,13 @@ def _use_triton(t: Tensor) -> bool:
 
 
 def _act_mul(gu: Tensor, mask: Tensor | None, activation: str) -> Tensor:
-    if _use_triton(gu):
+    if _use_triton(gu) and gu.is_contiguous():  # grouped_mm may pad its output's rows: then the reference
         return grouped_kernels.act_mul(gu, mask, activation)
     return grouped_kernels.act_mul_reference(gu, mask, activation)
 
 
 def _act_backward(gu: Tensor, dh: Tensor, mask: Tensor | None, activation: str) -> None:
-    if _use_triton(gu):
+    if _use_triton(gu) and gu.is_contiguous() and dh.is_contiguous():
         grouped_kernels.act_backward(gu, dh, mask, activation)
     else:
         grouped_kernels.act_backward_reference(gu, dh, mask, activation)
