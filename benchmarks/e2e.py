@@ -2,15 +2,18 @@
 
 Models (random init from a config, bf16 on CUDA): ``1.5b`` is Qwen2.5-1.5B's shape (Qwen2: hidden 1536, intermediate
 8960, 28 layers, 12 heads, 2 kv heads, vocab 151936, tied embeddings); ``8b`` is Llama-3-8B's (Llama: 4096, 14336,
-32 layers, 32 heads, 8 kv heads, vocab 128256). Both keep every layer by default: bf16 weights and grads of the 8B
-take 32 GB of an H200's 141 GB; ``--layers N`` cuts every model to N layers, and the output says so.
+32 layers, 32 heads, 8 kv heads, vocab 128256); ``30b-a3b`` is Qwen3-30B-A3B's (Qwen3-MoE: hidden 2048, 48 layers,
+32 heads, 4 kv heads, head dim 128, 128 experts of 768 in every layer, top 8, vocab 151936; HF's default grouped_mm
+experts). All keep every layer by default: bf16 weights and grads of the 8B take 32 GB of an H200's 141 GB, of the
+30B 122 GB (run it cut); ``--layers N`` cuts every model to N layers, and the output says so.
 
 The step: per-token log-prob (log_softmax + gather) and entropy of the logits, PPO's clipped ratio against old
 log-probs times advantages, minus an entropy bonus; then backward (no optimizer step). Methods:
   eager        the model and loss as written
   inductor     torch.compile(step)
-  liger        eager on Liger's patched model (apply_liger_kernel_to_qwen2/llama: RMSNorm, RoPE, SwiGLU); its fused
-               linear CE gives no log-prob + entropy, so the loss is the same code on the logits (when installed)
+  liger        eager on Liger's patched model (apply_liger_kernel_to_qwen2/llama/qwen3_moe: RMSNorm, RoPE, SwiGLU;
+               for the MoE its fused experts, LigerExperts, under transformers 5); its fused linear CE gives no
+               log-prob + entropy, so the loss is the same code on the logits (when installed)
   tilecompile  torch.compile(step, backend="tilecompile")
 each with activation checkpointing on and off (``--checkpointing on,off``). Each (model, method, checkpointing)
 runs in its own process: Liger patches HF's classes globally, and an OOM or a crash stays in that process.
@@ -29,7 +32,8 @@ Model FLOPs of one step (the ``model_flops`` column; ``tflops`` = model_flops / 
     model_flops = 6 · P · T + 12 · L · H · d_head · A
   P       the matmuls' parameters: every nn.Linear weight, the lm_head once even when tied to the embedding (the
           embedding's lookup is no matmul; norms, biases and the loss are left out); 2 FLOPs per weight and token
-          forward, 4 backward (input and weight grads)
+          forward, 4 backward (input and weight grads). MoE experts (stacked gate_up_proj / down_proj): the weights
+          a token runs through, top_k / num_experts of them
   T       real tokens of the step (the ``real_tokens`` column): attention_mask's ones, every slot without a mask
   L, H    layers and query heads (GQA shares K/V, not the products), d_head the head width
   A       the (query, key) pairs the mask allows among real tokens, summed over rows: per row and document, m real
@@ -83,8 +87,11 @@ import torch.nn.functional as F
 MODELS = {  # family, hidden, intermediate, layers, heads, kv heads, vocab, tied, rope theta
     "1.5b": ("qwen2", 1536, 8960, 28, 12, 2, 151936, True, 1e6),
     "8b": ("llama", 4096, 14336, 32, 32, 8, 128256, False, 5e5),
+    "30b-a3b": ("qwen3_moe", 2048, 768, 48, 32, 4, 151936, False, 1e6),  # intermediate: each expert's
 }
+MOE = {"30b-a3b": dict(num_experts=128, num_experts_per_tok=8, head_dim=128, intermediate_size=6144)}
 TINY = (64, 176, 2, 4, 2, 1000)  # hidden, intermediate, layers, heads, kv heads, vocab for --tiny
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, head_dim=16, intermediate_size=176)  # and 8 experts of 176
 METHODS = ("eager", "inductor", "liger", "tilecompile")
 PEAK_TFLOPS = 989.4  # H100/H200 SXM, dense bf16 (NVIDIA's datasheet)
 SEARCH_STEP = 4096  # --search's lengths are multiples of this
@@ -178,16 +185,24 @@ def build(name: str, tiny: bool, layers: int, checkpointing: bool, liger: bool, 
     if liger:  # patches HF's classes before the model is built; the loss needs the logits, so no fused CE
         import liger_kernel.transformers as lk
 
-        patch = lk.apply_liger_kernel_to_qwen2 if family == "qwen2" else lk.apply_liger_kernel_to_llama
+        patch = {"qwen2": lk.apply_liger_kernel_to_qwen2, "llama": lk.apply_liger_kernel_to_llama,
+                 "qwen3_moe": getattr(lk, "apply_liger_kernel_to_qwen3_moe", None)}[family]  # fmt: skip
+        if patch is None:
+            raise RuntimeError(f"this liger-kernel has no patch for {family}")
         patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
     config_cls, model_cls = {
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
+    sizes = dict(intermediate_size=i)
+    if family == "qwen3_moe":  # every layer MoE (decoder_sparse_step 1); intermediate is each expert's
+        moe = TINY_MOE if tiny else MOE[name]
+        sizes = dict(moe, moe_intermediate_size=i, decoder_sparse_step=1, mlp_only_layers=[])
     cfg = config_cls(
-        hidden_size=d, intermediate_size=i, num_hidden_layers=layers or n, num_attention_heads=h,
+        hidden_size=d, num_hidden_layers=layers or n, num_attention_heads=h,
         num_key_value_heads=kv, vocab_size=v, tie_word_embeddings=tied, rope_theta=theta,
-        max_position_embeddings=1 << 20, attn_implementation="sdpa",
+        max_position_embeddings=1 << 20, attn_implementation="sdpa", **sizes,
     )  # fmt: skip
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -244,9 +259,16 @@ def inputs(n: int, vocab: int, packed: int, device: torch.device, rows: int = 1,
 
 
 def matmul_params(model: torch.nn.Module) -> int:
-    """P: the nn.Linear weights' elements, each weight once (a tied lm_head is the embedding's, counted here once)."""
+    """P: the nn.Linear weights' elements, each weight once (a tied lm_head is the embedding's, counted here once);
+    of stacked MoE experts (3-D ``gate_up_proj`` / ``down_proj``), top_k / num_experts: the weights a token runs."""
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    return sum(w.numel() for w in weights.values())
+    total = sum(w.numel() for w in weights.values())
+    config = getattr(model, "config", None)
+    top_k, experts = getattr(config, "num_experts_per_tok", 0), getattr(config, "num_experts", 0)
+    if top_k and experts:
+        stacked = [p for name, p in model.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))]
+        total += sum(p.numel() for p in stacked if p.dim() == 3) * top_k // experts
+    return total
 
 
 def real_tokens(rows: int, n: int, attention_mask: torch.Tensor | None) -> int:

@@ -670,3 +670,24 @@ class _BadFillExperts(torch.nn.Module):
 )
 def test_zero_fills_the_op_cannot_take_get_a_reason(form, reason):
     _assert_skipped_with(_BadFillExperts(form), reason)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_experts_left_alone_where_tiling_does_not_pay(checkpointing):
+    """With a token threshold set (``mlp_min_tokens`` > 0), experts whose saved activations (4 [S, I] tensors) are
+    no more than what the tiled op would hold in its backward (fp32 weight-grad accumulators, a chunk's weight grad,
+    the chunk budget) are left alone, the two sizes in the reason: per layer in a checkpoint body, summed over the
+    graph's expert MLPs without checkpointing. The step still equals eager's."""
+    model = _model("mixtral")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    out = _step(_compile(model, mlp_min_tokens=1), ids)
+    assert_close(out, _step(ref, ids), rtol=RTOL, atol=ATOL, name="logits")
+    assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
+    assert not _rewrites(), tilecompile.report()
+    reasons = [s.reason for s in _skips() if "experts" in s.module_path]
+    assert len(reasons) == 2 and all("tiling does not pay" in r for r in reasons), reasons
+    where = "this checkpointed layer" if checkpointing else "the graph's expert MLPs together"
+    assert all(where in r and "MiB" in r for r in reasons), reasons

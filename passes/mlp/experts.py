@@ -32,8 +32,21 @@ Checks, each a reason when it says no: ``mlp_experts`` on; the same rows and the
 every projection; the weights are graph inputs; shapes chain ([S, D] rows, [E, D, I] gate and up, [E, I, D_out]
 down, in the op's layout); the intermediates are used only inside the MLP; one dtype inside it (``grouped_mm`` is
 not an autocast op, but batched_mm's ``bmm`` is: under autocast those experts keep a reason); no autocast edge; at
-least ``mlp_min_tokens`` rows. Every grouped matmul the pass does not take into a rewrite gets a reason too (no
-silent miss), and so does a down projection of gathered weights in a form it does not read.
+least ``mlp_min_tokens`` rows; and tiling pays in memory (``check_pays``, below).
+
+When tiling pays (issue 42). Left alone, the experts' autograd saves about four [S, I] tensors per layer (the [S, 2I]
+gate/up output, act(g), h) from the forward to the backward: ``4·S·I·itemsize`` bytes. Tiled, the op saves none but
+holds, during its backward, its fp32 weight-grad accumulators (``grad_accum="fp32"`` with more than one chunk:
+``4·E·(2·D·I + I·D_out)`` bytes, 2.3 GiB for Qwen3-30B-A3B's 128 experts of 2048 x 768), one chunk's [E, D, I]
+grad and the chunk's buffers (``mlp_chunk_budget_mb``). Inside a checkpoint body one layer's activations are held at
+a time, so the layer's own saved bytes are compared with that; in the root graph (no checkpointing) every expert
+MLP of the graph holds its activations until its backward, so their sum is. The op also costs time (it recomputes
+the gate/up GEMM: 22 instead of 18 S·D·I FLOPs), so experts whose saved bytes do not exceed the op's are left
+alone with the two numbers as the reason; ``mlp_min_tokens=0`` tiles them anyway. Sizes are read at their hints
+(no guard): a dynamic-shape graph keeps the choice made at its first length.
+
+Every grouped matmul the pass does not take into a rewrite gets a reason too (no silent miss), and so does a down
+projection of gathered weights in a form it does not read.
 """
 
 from __future__ import annotations
@@ -422,6 +435,48 @@ def check_min_rows(m: GroupedMLP, min_tokens: int) -> str | None:
     return None
 
 
+def saved_bytes(m: GroupedMLP) -> int | None:
+    """What the experts' autograd saves left alone: four [S, I] tensors (the [S, 2I] gate/up output, act(g), h)."""
+    rows, dtype = fxgraph.hint((fxgraph.shape(m.x) or (None,))[0]), fxgraph.dtype(m.down.node)
+    inter = fxgraph.hint(m.gate.width)
+    if rows is None or inter is None or dtype is None:
+        return None
+    return 4 * rows * inter * dtype.itemsize
+
+
+def op_bytes(m: GroupedMLP, budget_mb: int, grad_accum: str) -> int | None:
+    """What the tiled op holds in its backward beyond unchunked grouped_mm: fp32 weight-grad accumulators (with
+    ``grad_accum="fp32"``), one chunk's [E, D, I] weight grad, the chunk's buffers."""
+    e, d, i = (fxgraph.hint(v) for v in (fxgraph.shape(m.down.weight)[0], m.gate.mm.in_features, m.gate.width))
+    d_out, dtype = fxgraph.hint(m.down.out_features), fxgraph.dtype(m.down.node)
+    if None in (e, d, i, d_out) or dtype is None:
+        return None
+    weights = e * (2 * d * i + i * d_out)
+    accumulators = weights * 4 if grad_accum == "fp32" and dtype.itemsize < 4 else 0
+    return accumulators + e * max(d, d_out) * i * dtype.itemsize + budget_mb * 2**20
+
+
+def check_pays(m: GroupedMLP, ctx: PassContext, graph_saved: int) -> str | None:
+    """Tiling pays where the activations left alone would hold more than the op does (module docstring)."""
+    s = ctx.settings
+    if not s.mlp_min_tokens:
+        return None
+    mine, cost = saved_bytes(m), op_bytes(m, s.mlp_chunk_budget_mb, s.mlp_grad_accum)
+    if mine is None or cost is None:
+        return None
+    in_body = ctx.graph_name != "<root>"  # a checkpoint body: one layer's activations at a time
+    held = mine if in_body else max(graph_saved, mine)
+    if held > cost:
+        return None
+    mib = 2**20
+    where = "this checkpointed layer" if in_body else "the graph's expert MLPs together (no checkpointing)"
+    return (
+        f"tiling does not pay: left alone, {where} save {held / mib:.0f} MiB of activations; the tiled op would hold "
+        f"{cost / mib:.0f} MiB in its backward (grad_accum={s.mlp_grad_accum} weight-grad accumulators, a chunk's "
+        f"weight grad, mlp_chunk_budget_mb) and recompute its gate/up GEMM (mlp_min_tokens=0 tiles anyway)"
+    )
+
+
 # --------------------------------------------------------------------------------------------------- rewrite
 
 
@@ -511,6 +566,8 @@ def run_experts(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order:
     """The grouped expert MLPs of ``gm`` into tiled ops (or reasons) in ``result``; whether the graph changed."""
     changed = False
     covered: set[fx.Node] = set()
+    found = [m for n in gm.graph.nodes if n in order and isinstance(m := match(n), GroupedMLP)]
+    graph_saved = sum(b for m in found if (b := saved_bytes(m)) is not None)
     for node in list(gm.graph.nodes):
         if node not in order:
             continue
@@ -532,6 +589,7 @@ def run_experts(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order:
                 check_dtypes,
                 lambda m: common.check_no_autocast_edge(m, order, markers),
                 lambda m: check_min_rows(m, ctx.settings.mlp_min_tokens),
+                lambda m: check_pays(m, ctx, graph_saved),
             )
             reason = next((r for r in (c(m) for c in checks) if r), None)
         else:

@@ -37,9 +37,32 @@ whose ``chunk_size_for`` sizes the chunk from ``budget_mb``).
 Dtypes: like ``grouped_mm`` (which is not an autocast op), the op computes in its inputs' one dtype and has no
 autocast kernel; HF casts ``x`` to the weights' dtype before each ``grouped_mm``, and the graph keeps that cast.
 
-Devices: CPU and CUDA share this chunked PyTorch code (no Triton kernel yet). Reading the expert boundaries takes
-``offsets.tolist()``, one host sync per call on CUDA (HF's ``grouped_mm_fallback`` does the same). No claim of GPU
-speed is made for this path: it trades time (a per-expert loop of small GEMMs) for memory.
+Two paths, the same math:
+
+- the grouped path (``grouped_mm`` over token chunks, no host sync), where ``torch._grouped_mm`` takes the operands:
+  bf16 on CUDA (fp32, bf16 and fp16 on CPU), every row and weight stride a multiple of 16 bytes. The rows are cut
+  into fixed chunks of ``chunk`` rows (their number is known from ``x``'s shape, not from the offsets); a chunk's
+  offsets are ``clamp(offsets - start, 0, rows)``, computed on the device, so an expert whose rows cross a chunk
+  edge is split between the two chunks' grouped GEMMs and no row count is read on the host. Per chunk, forward:
+  ``gu = grouped_mm(xc, [Wg | Wu])`` [rows, 2I] (one GEMM when gate and up are the two halves of one stacked
+  weight, HF's ``gate_up_proj``), ``h = act(g) * u`` (one Triton kernel on CUDA, kernels/tiled_grouped_mlp.py),
+  ``y = grouped_mm(h, Wd)``. Backward: ``gu`` again, ``dh = grouped_mm(dy, Wdᵀ)``, one kernel for ``h``, ``dg``,
+  ``du``, then ``dx = grouped_mm([dg | du], [Wg | Wu]ᵀ)`` and the weight grads ``grouped_mm(xcᵀ, dg)`` ... (the
+  grouped GEMM that reduces over each expert's rows, [E, K, N]). Rows past ``offsets[-1]`` are zeroed with a
+  ``where`` on the device. Live per chunk: [rows, 2I] + [rows, I] in the compute dtype and one [E, K, N] weight
+  grad of the chunk.
+  Weight grads: with one chunk, ``grouped_mm``'s own (it accumulates in fp32 inside the GEMM, as unchunked); with
+  several, each chunk's [E, K, N] grad (rounded to the compute dtype by ``grouped_mm``, which has no fp32 output
+  on CUDA) is added into an fp32 accumulator per weight (``grad_accum="fp32"``) or into the grad itself
+  (``"param"``), only for the experts with rows in the chunk (one Triton kernel on CUDA). An expert whose rows lie
+  in one chunk gets exactly ``grouped_mm``'s grad either way; one cut by a chunk edge gets the sum of two.
+  ``offsets`` are not validated on this path (that needs the host); ``grouped_mm`` trusts them too.
+- the loop path (per expert, per chunk, ``torch.mm``) for everything else (fp64, odd strides): it reads the expert
+  boundaries with ``offsets.tolist()``, one host sync per call on CUDA (HF's ``grouped_mm_fallback`` does the
+  same), and validates them.
+
+FLOPs (forward + backward, S routed rows): 2·S·D·I·(3 forward + 2 recompute + 6 backward) = 22·S·D·I against
+18·S·D·I for ``grouped_mm`` unchunked (which saves [S, 2I] and [S, I] activations instead of recomputing them).
 """
 
 from __future__ import annotations
@@ -47,6 +70,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tilecompile.kernels import tiled_grouped_mlp as grouped_kernels
 from tilecompile.kernels import tiled_mlp as mlp_kernels
 from tilecompile.ops.tiled_mlp import _acc_dtype, _accumulate_mm, _finish_grad, check_options, chunk_size_for
 
@@ -115,6 +139,154 @@ def _chunk(rows: int, intermediate: int, dtype: torch.dtype, chunk_tokens: int, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the grouped path: grouped_mm over fixed token chunks, no host sync
+
+USE_GROUPED = True  # module switch (benchmarks and tests compare both paths)
+USE_TRITON = True  # the grouped path's elementwise kernels on CUDA (else their PyTorch reference)
+_TRITON_ON_CPU = False  # tests flip this under TRITON_INTERPRET=1 to run the kernels on CPU tensors
+_GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def _aligned(t: Tensor) -> bool:
+    """Row- or column-major in the last two dims, the other stride and the start a multiple of 16 bytes (as
+    ``grouped_mm`` requires)."""
+    if t.dim() < 2 or t.data_ptr() % 16:
+        return False
+    per = 16 // t.element_size()
+    rows, cols = t.stride()[-2], t.stride()[-1]
+    return (cols == 1 and rows % per == 0) or (rows == 1 and cols % per == 0)
+
+
+def _fused_gate_up(gate_weight: Tensor, up_weight: Tensor) -> Tensor | None:
+    """The [E, D, 2I] view of which gate and up are the two halves (HF's stacked ``gate_up_proj``), or None."""
+    e, d, i = gate_weight.shape
+    if gate_weight.stride() != up_weight.stride() or gate_weight.dtype != up_weight.dtype or i == 0:
+        return None
+    if not torch._C._is_alias_of(up_weight, gate_weight):  # not views of one storage
+        return None
+    if up_weight.storage_offset() != gate_weight.storage_offset() + i * gate_weight.stride(2):
+        return None
+    return gate_weight.as_strided((e, d, 2 * i), gate_weight.stride())
+
+
+def _grouped_ok(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor) -> bool:
+    """Whether the grouped path takes these operands (``grouped_mm``'s dtypes and alignment, x's rows included)."""
+    if not USE_GROUPED or not hasattr(torch, "_grouped_mm") or x.dtype not in _GROUPED_DTYPES.get(x.device.type, ()):
+        return False
+    per = 16 // x.element_size()
+    sizes_ok = all(n % per == 0 for n in (x.shape[1], gate_weight.shape[2], down_weight.shape[2]))
+    return sizes_ok and x.stride(1) == 1 and all(_aligned(t) for t in (x, gate_weight, up_weight, down_weight))
+
+
+def _use_triton(t: Tensor) -> bool:
+    return grouped_kernels.HAS_TRITON and USE_TRITON and (t.is_cuda or _TRITON_ON_CPU)
+
+
+def _act_mul(gu: Tensor, mask: Tensor | None, activation: str) -> Tensor:
+    if _use_triton(gu) and gu.is_contiguous():  # grouped_mm may pad its output's rows: then the reference
+        return grouped_kernels.act_mul(gu, mask, activation)
+    return grouped_kernels.act_mul_reference(gu, mask, activation)
+
+
+def _act_backward(gu: Tensor, dh: Tensor, mask: Tensor | None, activation: str) -> None:
+    if _use_triton(gu) and gu.is_contiguous() and dh.is_contiguous():
+        grouped_kernels.act_backward(gu, dh, mask, activation)
+    else:
+        grouped_kernels.act_backward_reference(gu, dh, mask, activation)
+
+
+def _accumulate(acc: Tensor, part: Tensor, present: Tensor) -> None:
+    if _use_triton(acc) and acc.is_contiguous() and part.is_contiguous():
+        grouped_kernels.accumulate(acc, part, present)
+    else:
+        grouped_kernels.accumulate_reference(acc, part, present)
+
+
+def _chunks(offsets: Tensor, n: int, chunk: int):
+    """(start, stop, the chunk's offsets clamped to its rows (int32), its rows below offsets[-1] [rows, 1]) per
+    chunk of ``chunk`` rows; all on the device."""
+    offs = offsets.to(torch.int32)
+    end = offs[-1:]
+    for s in range(0, n, chunk):
+        t = min(s + chunk, n)
+        local = (offs - s).clamp_(0, t - s)
+        valid = (torch.arange(s, t, device=offs.device, dtype=torch.int32) < end).unsqueeze(1)
+        yield s, t, local, valid
+
+
+def _gate_up(xc: Tensor, local: Tensor, fused: Tensor | None, gate_weight: Tensor, up_weight: Tensor) -> Tensor:
+    """[g | u] of a chunk, [rows, 2I] contiguous."""
+    if fused is not None:
+        return torch._grouped_mm(xc, fused, local)
+    return torch.cat((torch._grouped_mm(xc, gate_weight, local), torch._grouped_mm(xc, up_weight, local)), dim=1)
+
+
+def _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk, mask) -> Tensor:
+    n, d_out = x.shape[0], down_weight.shape[2]
+    out = x.new_empty((n, d_out))
+    zero = x.new_zeros(())
+    fused = _fused_gate_up(gate_weight, up_weight)
+    for s, t, local, valid in _chunks(offsets, n, chunk):
+        gu = _gate_up(x[s:t], local, fused, gate_weight, up_weight)
+        h = _act_mul(gu, None if mask is None else mask[s:t], activation)
+        del gu
+        # grouped_mm leaves rows past offsets[-1] undefined: the op's are zero
+        torch.where(valid, torch._grouped_mm(h, down_weight, local), zero, out=out[s:t])
+    return out
+
+
+def _add_grad(grads: dict, key: str, part: Tensor, present: Tensor) -> None:
+    """A chunk's weight grad: the grad itself with one chunk, else added into the accumulator."""
+    if grads[key] is None:
+        grads[key] = part
+    else:
+        _accumulate(grads[key], part, present)
+
+
+def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk, grad_accum,
+                      needs, mask):  # fmt: skip
+    need_x, need_wg, need_wu, need_wd = needs
+    n, i = x.shape[0], gate_weight.shape[2]
+    fused = _fused_gate_up(gate_weight, up_weight)
+    chunks = -(-n // chunk)
+    zero = x.new_zeros(())
+    dx = x.new_empty(x.shape) if need_x else None
+    # one chunk: grouped_mm's weight grads are the grads (accumulated in fp32 inside the GEMM, as unchunked);
+    # several: each chunk's grad is added into an accumulator, for the experts with rows in the chunk
+    wanted = {"g": (need_wg, gate_weight), "u": (need_wu, up_weight), "d": (need_wd, down_weight)}
+    grads: dict[str, Tensor | None] = {k: None for k in wanted}
+    if chunks != 1:
+        for k, (need, w) in wanted.items():
+            grads[k] = torch.zeros(w.shape, device=w.device, dtype=_acc_dtype(w, grad_accum)) if need else None
+    need_dgu = need_x or need_wg or need_wu
+    for s, t, local, valid in _chunks(offsets, n, chunk):
+        xc, dyc = x[s:t], grad_out[s:t]
+        present = local.diff(prepend=local.new_zeros(1)) > 0
+        gu = _gate_up(xc, local, fused, gate_weight, up_weight)
+        dh = torch._grouped_mm(dyc, down_weight.transpose(-2, -1), local)
+        _act_backward(gu, dh, None if mask is None else mask[s:t], activation)  # gu <- [dg | du], dh <- h
+        if need_wd:
+            _add_grad(grads, "d", torch._grouped_mm(dh.t(), dyc, local), present)
+        del dh
+        if need_wg:
+            _add_grad(grads, "g", torch._grouped_mm(xc.t(), gu[:, :i], local), present)
+        if need_wu:
+            _add_grad(grads, "u", torch._grouped_mm(xc.t(), gu[:, i:], local), present)
+        if need_x and need_dgu:
+            if fused is not None:
+                dxc = torch._grouped_mm(gu, fused.transpose(-2, -1), local)
+            else:
+                dxc = torch._grouped_mm(gu[:, :i], gate_weight.transpose(-2, -1), local)
+                dxc += torch._grouped_mm(gu[:, i:], up_weight.transpose(-2, -1), local)
+            torch.where(valid, dxc, zero, out=dx[s:t])
+        del gu
+    g_wg = _finish_grad(grads["g"], gate_weight, x) if need_wg else x.new_empty((0,))
+    g_wu = _finish_grad(grads["u"], up_weight, x) if need_wu else x.new_empty((0,))
+    g_wd = _finish_grad(grads["d"], down_weight, x) if need_wd else x.new_empty((0,))
+    return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # forward op
 
 
@@ -134,6 +306,9 @@ def _tiled_grouped_mlp_op(
     _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask)
     mask = _row_mask(row_mask)
     n, i, d_out = x.shape[0], gate_weight.shape[2], down_weight.shape[2]
+    if _grouped_ok(x, gate_weight, up_weight, down_weight):
+        chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
+        return _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk, mask)
     out = x.new_zeros((n, d_out))  # rows past offsets[-1] belong to no expert: zero
     bounds = _bounds(offsets, n)
     chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
@@ -194,6 +369,12 @@ def _tiled_grouped_mlp_backward_op(
     need_x, need_wg, need_wu, need_wd = ([bool(v) for v in needs_grad] + [False] * 4)[:4]
     n, i = x.shape[0], gate_weight.shape[2]
     mask = _row_mask(row_mask)
+    if _grouped_ok(x, gate_weight, up_weight, down_weight) and _aligned(grad_out):
+        chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
+        needs = (need_x, need_wg, need_wu, need_wd)
+        return _grouped_backward(
+            grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk, grad_accum, needs, mask
+        )
 
     def acc_for(p: Tensor, wanted: bool) -> Tensor | None:
         return torch.zeros(p.shape, device=p.device, dtype=_acc_dtype(p, grad_accum)) if wanted else None

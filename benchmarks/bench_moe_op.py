@@ -1,0 +1,226 @@
+"""The MoE experts op alone (issue 42): tilecompile::tiled_grouped_mlp against grouped_mm unchunked, same rows.
+
+Shape: Qwen3-30B-A3B's experts (128 experts, D 2048, I 768, top 8, SiLU), bf16, ``--tokens`` tokens routed to
+8 experts each (uniform random, no expert twice per token), the rows sorted by expert as HF's grouped_mm experts
+sort them; weights in HF's layout (``gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]). One step is forward +
+backward (dx and both weight grads) of:
+  grouped_mm     F.grouped_mm(x, Wguᵀ) -> silu(g) * u -> F.grouped_mm(h, Wdᵀ), autograd saving its activations
+  tiled          the op, grouped path (grouped_mm over token chunks, no host sync), per ``--chunks`` and grad_accum
+  tiled_loop     the op's per-expert loop path (the one before issue 42: torch.mm per expert and chunk, host syncs)
+Median of ``--repeats`` steps (CUDA events, after 2 warm-up steps); TFLOP/s with each method's own FLOPs:
+  grouped_mm: 18·S·D·I (forward 6, backward 12),  tiled: 22·S·D·I (+ 4 for the gate/up GEMM recomputed)
+and ``model_tflops`` = 18·S·D·I / time for both (the same work counted once). ``peak_extra_gib``: the step's peak
+allocation above what was allocated before it (inputs, weights, dy). Then ``--memory-tokens``: the same step at
+those lengths, one timed step each, unchunked against tiled fp32 / param: where tiling starts to hold less (the
+break-even the experts pass's ``check_pays`` estimates). Last, a host-sync check: one tiled step under
+``torch.cuda.set_sync_debug_mode("error")``.
+
+Rows go to ``--csv`` (default benchmarks/results/moe_op.csv; appended) as they are measured, with the GPU name,
+torch/triton versions, date and commit. One H200 call (about 2 minutes):
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_moe_op.py --csv $OUT/moe_op.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from e2e import versions, write_rows  # noqa: E402
+
+from tilecompile.ops import tiled_grouped_mlp as grouped_op  # noqa: E402
+
+FIELDS = ["method", "tokens", "rows", "chunk", "grad_accum", "ms", "tflops", "model_tflops", "time_vs_grouped_mm",
+          "peak_extra_gib", "note", "experts", "hidden", "inter", "top_k", "device", "torch", "triton", "date",
+          "commit"]  # fmt: skip
+GIB = 2**30
+
+
+def _grouped_mm(a, b, offs):
+    return F.grouped_mm(a, b, offs=offs) if hasattr(F, "grouped_mm") else torch._grouped_mm(a, b, offs)
+
+
+def routed(tokens: int, experts: int, hidden: int, inter: int, top_k: int, device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices.reshape(-1).to(device)
+    ids, perm = torch.sort(ids)
+    offsets = torch.cumsum(torch.bincount(ids, minlength=experts), 0).to(torch.int32)
+    rows = tokens * top_k
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)[perm // top_k].requires_grad_()
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5).bfloat16().requires_grad_()
+    down = (torch.randn(experts, hidden, inter, device=device) / inter**0.5).bfloat16().requires_grad_()
+    dy = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    return x, gate_up, down, offsets, dy
+
+
+def step_grouped_mm(x, gate_up, down, offsets, dy, **_):
+    g, u = _grouped_mm(x, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
+    y = _grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offsets)
+    return torch.autograd.grad(y, (x, gate_up, down), dy)
+
+
+def step_tiled(x, gate_up, down, offsets, dy, chunk=0, grad_accum="fp32"):
+    w = gate_up.transpose(-2, -1)
+    inter = w.shape[-1] // 2
+    y = grouped_op.tiled_grouped_mlp(
+        x, offsets, w[..., :inter], w[..., inter:], down.transpose(-2, -1), chunk_tokens=chunk, grad_accum=grad_accum
+    )
+    return torch.autograd.grad(y, (x, gate_up, down), dy)
+
+
+def measure(fn, args, kw, repeats: int) -> tuple[float, float]:
+    """(median ms, peak GiB above what was allocated before the step)."""
+    for _ in range(2 if repeats > 1 else 1):
+        fn(*args, **kw)
+    if not args[0].is_cuda:  # --device cpu: a smoke test of the script, host time, no memory
+        start = time.perf_counter()
+        fn(*args, **kw)
+        return (time.perf_counter() - start) * 1e3, 0.0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        grads = fn(*args, **kw)
+        end.record()
+        del grads
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / GIB
+
+
+def speed(unit: int, ms: float, base_ms: float, own: int) -> dict:
+    """ms, TFLOP/s of ``own``·S·D·I FLOPs, model TFLOP/s (18·S·D·I), time against grouped_mm's."""
+    return dict(ms=round(ms, 3), tflops=round(own * unit / ms / 1e9, 1), model_tflops=round(18 * unit / ms / 1e9, 1),
+                time_vs_grouped_mm=round(ms / base_ms, 3))  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--chunks", default="0,16384,65536,131072,262144", help="tiled chunk rows (0: from the budget)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--memory-tokens", default="4096,8192,16384,32768,65536", help="'' to skip the memory sweep")
+    ap.add_argument("--no-loop", action="store_true", help="skip the old per-expert loop path")
+    ap.add_argument("--csv", default=str(pathlib.Path(__file__).parent / "results" / "moe_op.csv"))
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (small shapes)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    meta = dict(experts=args.experts, hidden=args.hidden, inter=args.inter, top_k=args.top_k, **versions(device))
+    print(meta, flush=True)
+    shape = (args.experts, args.hidden, args.inter, args.top_k)
+
+    def row(**kw) -> None:
+        r = dict(meta, **kw)
+        write_rows(args.csv, [r], FIELDS, append=True)
+        shown = " ".join(f"{k}={r[k]}" for k in FIELDS[:10] if r.get(k) not in (None, ""))
+        print(shown + (f"  ({r['note']})" if r.get("note") else ""), flush=True)
+
+    # the acceptance shape: time and TFLOP/s against grouped_mm unchunked
+    tokens = args.tokens
+    data = routed(tokens, args.experts, args.hidden, args.inter, args.top_k, device)
+    rows = data[0].shape[0]
+    unit = rows * args.hidden * args.inter  # S·D·I
+    base_ms, base_gib = measure(step_grouped_mm, data, {}, args.repeats)
+    row(
+        method="grouped_mm",
+        tokens=tokens,
+        rows=rows,
+        **speed(unit, base_ms, base_ms, 18),
+        peak_extra_gib=round(base_gib, 3),
+    )
+    variants = [(int(c), "fp32") for c in args.chunks.split(",") if c] + [(0, "param")]
+    for chunk, accum in variants:
+        ms, gib = measure(step_tiled, data, dict(chunk=chunk, grad_accum=accum), args.repeats)
+        auto = grouped_op._chunk(rows, args.inter, torch.bfloat16, chunk, 256)
+        row(
+            method="tiled",
+            tokens=tokens,
+            rows=rows,
+            chunk=auto,
+            grad_accum=accum,
+            **speed(unit, ms, base_ms, 22),
+            peak_extra_gib=round(gib, 3),
+            note="chunk from mlp_chunk_budget_mb=256" if chunk == 0 else "",
+        )
+    if not args.no_loop:
+        grouped_op.USE_GROUPED = False
+        try:
+            ms, gib = measure(step_tiled, data, {}, 2)
+        finally:
+            grouped_op.USE_GROUPED = True
+        row(
+            method="tiled_loop",
+            tokens=tokens,
+            rows=rows,
+            grad_accum="fp32",
+            **speed(unit, ms, base_ms, 22),
+            peak_extra_gib=round(gib, 3),
+            note="before issue 42",
+        )
+    del data
+    torch.cuda.empty_cache()
+
+    # memory at other lengths: where tiling starts to hold less than the activations left alone
+    for n in [int(t) for t in args.memory_tokens.split(",") if t]:
+        data = routed(n, *shape, device)
+        rows = data[0].shape[0]
+        unit = rows * args.hidden * args.inter
+        base_ms, base_gib = measure(step_grouped_mm, data, {}, 3)
+        row(
+            method="grouped_mm",
+            tokens=n,
+            rows=rows,
+            **speed(unit, base_ms, base_ms, 18),
+            peak_extra_gib=round(base_gib, 3),
+            note="memory sweep",
+        )
+        for accum in ("fp32", "param"):
+            ms, gib = measure(step_tiled, data, dict(grad_accum=accum), 3)
+            chunk = grouped_op._chunk(rows, args.inter, torch.bfloat16, 0, 256)
+            row(
+                method="tiled",
+                tokens=n,
+                rows=rows,
+                chunk=chunk,
+                grad_accum=accum,
+                **speed(unit, ms, base_ms, 22),
+                peak_extra_gib=round(gib, 3),
+                note="memory sweep",
+            )
+        del data
+        torch.cuda.empty_cache()
+
+    if not device.type == "cuda":
+        print(f"wrote {args.csv}")
+        return
+    # no host sync in the tiled step (warm: Triton compiled, the probes run)
+    data = routed(4096, *shape, device)
+    step_tiled(*data, chunk=8192)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step_tiled(*data, chunk=8192)
+        print("host syncs in a tiled step (3 chunks): none (set_sync_debug_mode('error') raised nothing)", flush=True)
+    except RuntimeError as exc:
+        print(f"host sync in a tiled step: {exc}", flush=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    print(f"wrote {args.csv}")
+
+
+if __name__ == "__main__":
+    main()
