@@ -691,3 +691,22 @@ def test_experts_left_alone_where_tiling_does_not_pay(checkpointing):
     assert len(reasons) == 2 and all("tiling does not pay" in r for r in reasons), reasons
     where = "this checkpointed layer" if checkpointing else "the graph's expert MLPs together"
     assert all(where in r and "MiB" in r for r in reasons), reasons
+
+
+def test_experts_of_a_layer_the_memory_plan_keeps_stay_whole(monkeypatch):
+    """With room for every checkpointed layer, the memory plan keeps them whole and the experts pass leaves their
+    experts untiled, saying so; values and grads still equal eager's."""
+    from tilecompile.passes import memory_plan
+
+    monkeypatch.setattr(memory_plan, "room_for", lambda *args: (10**12, "budget set by the test"))
+    model = _model("qwen3_moe")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    out = _step(_compile(model, memory_budget=1.0), ids)
+    expected = _step(ref, ids)
+    assert_close(out, expected, rtol=RTOL, atol=ATOL, name="logits")
+    assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
+    assert tilecompile.report().counts["memory_plan"] == 2 and not _rewrites()
+    reasons = [s.reason for s in _skips()]
+    assert len(reasons) == 2 and all("the memory plan keeps layer model.layers." in r for r in reasons), reasons

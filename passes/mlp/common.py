@@ -4,9 +4,12 @@ name the module it came from."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.fx as fx
 
 from tilecompile import graph as fxgraph
+from tilecompile.passes import memory_plan
 
 NAME = "tiled_mlp"
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -60,3 +63,12 @@ def size(s):
 
 def path(nodes) -> str:
     return fxgraph.common_module_path(n for n in nodes if isinstance(n, fx.Node))
+
+
+def check_kept(m: Any) -> str | None:
+    """A layer the memory plan keeps whole (passes/memory_plan.py) keeps its MLP whole too, dense or experts
+    (``m.down.node`` marked ``KEPT``): memory allows it."""
+    kept = m.down.node.meta.get(memory_plan.KEPT)
+    if kept is not None:
+        return f"the memory plan keeps {kept} whole (memory_budget allows): tiling would only cost time"
+    return None

@@ -40,7 +40,6 @@ from tilecompile import graph as fxgraph
 from tilecompile import reporting
 from tilecompile.config import Settings
 from tilecompile.pass_api import PassContext, PassResult, expect
-from tilecompile.passes import memory_plan
 from tilecompile.passes.mlp import common
 
 NAME, ACTIVATIONS = common.NAME, common.ACTIVATIONS
@@ -267,14 +266,6 @@ def check_dtypes(m: GatedMLP) -> str | None:
     return None
 
 
-def check_kept(m: GatedMLP) -> str | None:
-    """A layer the memory plan keeps whole (passes/memory_plan.py) keeps its MLP whole too: memory allows it."""
-    kept = m.down.node.meta.get(memory_plan.KEPT)
-    if kept is not None:
-        return f"the memory plan keeps {kept} whole (memory_budget allows): tiling would only cost time"
-    return None
-
-
 def check_min_tokens(m: GatedMLP, min_tokens: int) -> str | None:
     if not min_tokens:
         return None
@@ -413,7 +404,7 @@ def run_dense(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: d
                 check_dtypes,
                 lambda m: common.check_no_autocast_edge(m, order, markers),
                 lambda m: check_min_tokens(m, ctx.settings.mlp_min_tokens),
-                check_kept,
+                common.check_kept,
             )
             reason = next((r for r in (c(m) for c in checks) if r), None)
         candidate = f"down projection {fxgraph.module_path(node) or node.name}"

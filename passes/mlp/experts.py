@@ -32,7 +32,8 @@ Checks, each a reason when it says no: ``mlp_experts`` on; the same rows and the
 every projection; the weights are graph inputs; shapes chain ([S, D] rows, [E, D, I] gate and up, [E, I, D_out]
 down, in the op's layout); the intermediates are used only inside the MLP; one dtype inside it (``grouped_mm`` is
 not an autocast op, but batched_mm's ``bmm`` is: under autocast those experts keep a reason); no autocast edge; at
-least ``mlp_min_tokens`` rows; and tiling pays in memory (``check_pays``, below).
+least ``mlp_min_tokens`` rows; tiling pays in memory (``check_pays``, below); and the memory plan does not keep the
+layer whole (``common.check_kept``).
 
 When tiling pays (issue 42). Left alone, the experts' autograd saves about four [S, I] tensors per layer (the [S, 2I]
 gate/up output, act(g), h) from the forward to the backward: ``4·S·I·itemsize`` bytes. Tiled, the op saves none but
@@ -590,6 +591,7 @@ def run_experts(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order:
                 lambda m: common.check_no_autocast_edge(m, order, markers),
                 lambda m: check_min_rows(m, ctx.settings.mlp_min_tokens),
                 lambda m: check_pays(m, ctx, graph_saved),
+                common.check_kept,
             )
             reason = next((r for r in (c(m) for c in checks) if r), None)
         else:
