@@ -2,22 +2,28 @@
 budget allows; the others stay checkpointed as the model asked.
 
 A user turns activation checkpointing on so that the step fits. Where the device has room, the recompute is time
-given away (about a tenth of the step for a dense model). With a budget (``memory_budget``: GiB when above 1, a
-fraction of the device's memory otherwise; 0, the default, plans nothing), this pass sizes each
-``tag_activation_checkpoint`` call of the root graph from its fake tensors:
+given away (about a tenth of the step for a dense model). With a budget (``memory_budget``: auto, the default, is
+AUTO_FRACTION of a CUDA device's memory and no plan on a CPU; GiB when above 1; a fraction of the device's memory at
+most 1; 0 plans nothing), this pass sizes each ``tag_activation_checkpoint`` call of the root graph from its fake
+tensors:
 
 - ``saved``: what checkpointing holds until the backward, the call's tensor inputs that are neither parameters nor
   read by another checkpointed call (the hidden state entering the layer);
-- ``kept``: what the layer would hold without checkpointing, estimated from above as every floating tensor its
-  body computes (views and casts of one tensor not counted twice).
+- ``kept``: what the layer holds for its backward without checkpointing: ``saved`` and the computed tensors in the
+  forward graph AOTAutograd's partitioner cuts from the body (the partition the inner compiler uses), traced once
+  per distinct body; where that
+  cannot be told (symbolic sizes), ``computed``, every floating tensor the body computes (views and casts of one
+  tensor not counted twice), an upper bound.
 
-The room is the budget less what the device holds when the graph is compiled (weights, gradients; optimizer states
-made later are not seen) and a reserve of the largest layer's ``kept`` (one layer's recompute or its backward's
-temporaries at a time). The checkpointed inputs of every layer come first; layers are then kept from the last one
-(the first the backward reaches) towards the first while the total fits. A kept layer's body is inlined into the
-root graph: AOTAutograd saves what its backward needs and recomputes nothing, and the tiled MLP pass leaves its MLP
-whole (node meta ``KEPT``). Under dynamic shapes the sizes are symbolic: the plan is decided at the graph's hint and
-guarded (``total <= room``), so a longer sequence that would not fit recompiles and is planned again.
+The room is the budget less what the device holds when the graph is compiled (weights, and gradients where they
+exist), three times the trainable weights set aside for the grads and optimizer states still to come, and a reserve
+of the largest layer's ``computed`` (one layer's recompute or its backward's temporaries at a time). The
+checkpointed inputs of every layer come first; layers are then kept from the last one (the first the backward
+reaches) towards the first while the total fits. A kept layer's body is inlined into the root graph: AOTAutograd
+saves what its backward needs and recomputes nothing, and the tiled MLP pass leaves its MLP (dense or experts)
+whole (node meta ``KEPT``). Under dynamic shapes the sizes are symbolic: the plan is decided at the graph's hint
+and guarded (``total <= room``), so a longer sequence that would not fit recompiles and is planned again. Without
+checkpointing, the whole graph's ``computed`` is weighed against the room: where it fits, the MLPs stay untiled.
 
 Where the checkpointed inputs alone exceed the room, every layer stays checkpointed and the report says by how much;
 offloading them to host memory is not built yet. Where the user's code already offloads (saved-tensors hooks), the
@@ -55,8 +61,9 @@ class Layer:
     site: fx.Node  # the tag_activation_checkpoint call
     where: str
     saved: Any  # bytes (an int, or a SymInt under dynamic shapes)
-    kept: Any
+    kept: Any  # what it saves for its backward without checkpointing (the partitioner's, or ``computed``)
     why_not: str | None = None  # why the layer cannot be kept, or None
+    computed: Any = None  # every floating tensor its body computes: bounds one recompute's temporaries
 
 
 @dataclasses.dataclass
@@ -104,12 +111,78 @@ def _is_parameter(node: Any) -> bool:
     )
 
 
-def size_layers(gm: fx.GraphModule, sites: list[fx.Node]) -> list[Layer]:
+def computed_bytes(body: fx.GraphModule) -> Any:
+    """Every floating tensor the body computes (views and casts of one tensor counted once): an upper bound on what
+    its backward can save, and on its recompute's temporaries."""
+    total = 0
+    for n in body.graph.nodes:
+        value = fxgraph.example_value(n)
+        if n.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
+            continue
+        if not value.is_floating_point() or fxgraph.is_view_like(n) or fxgraph.op(n) in _NOT_COMPUTED:
+            continue
+        total = total + _bytes(value)
+    return total
+
+
+def _storage_base(n: fx.Node) -> fx.Node:
+    """The node whose storage ``n`` views (through aten view ops, detach, _unsafe_view), or ``n``."""
+    aliasing = (torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default)
+    while (
+        n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and (getattr(n.target, "is_view", False) or n.target in aliasing)
+        and n.args
+        and isinstance(n.args[0], fx.Node)
+    ):
+        n = n.args[0]
+    return n
+
+
+def saved_by_autograd(body: fx.GraphModule, inner: str) -> int | None:
+    """The bytes of computed tensors AOTAutograd saves for the body's backward without checkpointing, from the forward
+    graph its partitioner cuts (Inductor's min-cut, or the default partition for other inner compilers) over the
+    body's fake inputs; None where that cannot be told: symbolic sizes, no fake inputs, or a trace that fails."""
+    from torch._functorch import partitioners
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    inputs = [fxgraph.example_value(n) for n in body.graph.find_nodes(op="placeholder")]
+    if not inputs or not all(isinstance(v, torch.Tensor) for v in inputs):
+        return None
+    fake_mode = getattr(inputs[0], "fake_mode", None)
+    if fake_mode is None or any(isinstance(d, torch.SymInt) for v in inputs for d in v.shape):
+        return None
+    outputs = next(n for n in body.graph.nodes if n.op == "output").args[0]
+    user_outputs = len(outputs) if isinstance(outputs, (tuple, list)) else 1
+    seen: list[int] = []
+
+    def forward(fw: fx.GraphModule, _inputs: Any) -> Any:
+        saved = next(n for n in fw.graph.nodes if n.op == "output").args[0][user_outputs:]
+        # views share their base's storage, and the body's own inputs (weights, the hidden state, the mask) are held
+        # anyway: the computed bases are the cost
+        bases = {_storage_base(n) for n in saved if isinstance(n, fx.Node)}
+        seen.append(sum(_bytes(b.meta.get("val")) for b in bases if b.op != "placeholder"))
+        return fw.forward
+
+    partition = (
+        partitioners.min_cut_rematerialization_partition if inner == "inductor" else partitioners.default_partition
+    )
+    try:
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), fake_mode:
+            aot_module_simplified(
+                body, inputs, fw_compiler=forward, bw_compiler=lambda g, _: g.forward, partition_fn=partition
+            )
+    except Exception:  # the upper bound stands in (the caller's fallback); the plan itself does not fail
+        return None
+    return seen[0] if seen and isinstance(seen[0], int) else None
+
+
+def size_layers(gm: fx.GraphModule, sites: list[fx.Node], inner: str = "inductor") -> list[Layer]:
     readers: dict[fx.Node, int] = {}
     for site in sites:
         for a in set(site.all_input_nodes):
             readers[a] = readers.get(a, 0) + 1
-    layers = []
+    layers, by_body = [], {}
     for site in sites:
         saved = sum(
             (_bytes(fxgraph.example_value(a)) for a in dict.fromkeys(site.all_input_nodes)
@@ -117,20 +190,23 @@ def size_layers(gm: fx.GraphModule, sites: list[fx.Node]) -> list[Layer]:
             0,
         )  # fmt: skip
         body = body_of(gm, site)
-        kept = 0
-        for n in body.graph.nodes if body is not None else ():
-            value = fxgraph.example_value(n)
-            if n.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
-                continue
-            if not value.is_floating_point() or fxgraph.is_view_like(n) or fxgraph.op(n) in _NOT_COMPUTED:
-                continue
-            kept = kept + _bytes(value)
+        computed, kept = 0, 0
+        if body is not None:
+            computed = computed_bytes(body)
+            shapes = tuple(
+                (tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v := fxgraph.example_value(n), torch.Tensor)
+                else None for n in body.graph.find_nodes(op="placeholder")
+            )  # fmt: skip
+            key = (body.code, str(shapes))  # identical layers are traced once (str: sizes may be symbolic)
+            if key not in by_body:
+                by_body[key] = saved_by_autograd(body, inner)
+            kept = saved + by_body[key] if by_body[key] is not None else computed
         why_not = None
         if body is None:
             why_not = "its body is not a graph module"
         elif any(not (u.op == "call_function" and u.target is operator.getitem) for u in site.users):
             why_not = "its outputs are used other than one by one (getitem)"
-        layers.append(Layer(site, _where(gm, site), saved, kept, why_not))
+        layers.append(Layer(site, _where(gm, site), saved, kept, why_not, computed))
     return layers
 
 
@@ -144,7 +220,7 @@ def _where(gm: fx.GraphModule, site: fx.Node) -> str:
 def choose(layers: list[Layer], room: int) -> Plan:
     """Keep layers from the last while the total fits ``room`` at the sizes' hints."""
     saved = sum((layer.saved for layer in layers), 0)
-    reserve = max((layer.kept for layer in layers), key=_hint, default=0)
+    reserve = max((x.kept if x.computed is None else x.computed for x in layers), key=_hint, default=0)
     total = saved + reserve
     keep: list[int] = []
     for i in reversed(range(len(layers))):
@@ -251,7 +327,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     budget = _budget(ctx.settings.memory_budget, device)
     if budget <= 0:
         return result
-    layers = size_layers(gm, sites)
+    layers = size_layers(gm, sites, ctx.settings.inner)
     for layer in layers:
         result.consider(layer.site, f"checkpointed layer {layer.where}")
     if hooked:
