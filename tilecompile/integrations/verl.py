@@ -1,0 +1,241 @@
+"""Compiles what verl's FSDP engine runs for a micro-batch (``FSDPEngineWithLMHead.forward_step``, verl 0.9.x): the
+model forward, the lm_head and the per-token log-prob / entropy math in one graph, so that the lm_head is fused (its
+[N, V] logits never built), the MLPs tiled and the attention mask rewritten::
+
+    from tilecompile.integrations.verl import compile_engine
+
+    compile_engine(engine)  # engine: verl's FSDPEngineWithLMHead, after engine.initialize()
+
+``compile_engine`` replaces ``engine.forward_step`` by a step that keeps verl's own code wherever it is not the
+model and its log-probs:
+
+- ``micro_batch.to(device)`` and verl's ``prepare_model_inputs`` (nested/jagged TensorDict in, dense tensors out)
+  run eagerly, as verl wrote them: Dynamo recurses without end in ``TensorDict.to`` (tensordict 0.10), and
+  views of jagged tensors hit a PyTorch bug under compile (``view(): cannot view shape (2, j1) as [2, j1]``).
+- the compiled function gets dense tensors only: verl's model inputs (remove-padding: the packed ``(1, nnz)`` ids
+  and positions; padded: ``(B, S)`` ids, positions and the padding mask), the labels (verl's rolled ids, laid out
+  like the logits) and the temperature. It calls the FSDP2 root module, whose ``forward`` is the model's decoder,
+  its lm_head and ``log_softmax`` / ``gather`` and ``logsumexp - sum(softmax * z)``: the math of verl's
+  ``logprobs_from_logits`` (on a GPU flash-attn's Triton cross-entropy, on a CPU a per-row loop) and
+  ``entropy_from_logits``, written once without a loop, in torch ops the lm_head pass fuses. The sequence
+  dimension is marked dynamic: one compile serves every micro-batch length.
+- back in eager mode the per-token values are packed into verl's nested tensors (a boolean mask on the padded
+  path), and verl's ``loss_function`` runs on them as before. verl's losses (``ppo_loss``, ``sft_loss``) read
+  TensorDicts and nested tensors and loop over rows (``no_padding_2_padding``), so the loss stays outside the
+  graph: the fused op runs in recompute mode (its backward recomputes the logits tile by tile).
+
+Refused (``IntegrationError``, at ``compile_engine``): ``use_fused_kernels`` (verl's own fused lm_head, which returns
+log-probs the passes cannot read), Ulysses sequence parallelism, a value-head engine. Micro-batches that ask for
+what the compiled step does not compute (``calculate_sum_pi_squared``, top-K distillation, multi-modal inputs,
+3-D position ids) run verl's own ``forward_step``, with a warning naming why.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from tilecompile.integrations.trainers import IntegrationError
+
+log = logging.getLogger("tilecompile")
+
+_ATTR = "_tilecompile"  # set on a compiled engine; its value is the step's compiled function
+
+
+def compile_engine(engine: Any, *, backend: Any = "tilecompile", options: dict | None = None) -> Any:
+    """Compile ``engine``'s micro-batch forward (verl 0.9.x ``FSDPEngineWithLMHead``, initialized) with tilecompile:
+    one call before training. ``backend`` and ``options`` go to ``torch.compile``. Returns the engine."""
+    if getattr(engine, _ATTR, None) is not None:
+        raise IntegrationError("compile_engine: this engine is already compiled by tilecompile")
+    why = _refused(engine)
+    if why is not None:
+        raise IntegrationError(f"compile_engine: {why}")
+    module = engine.module
+    if getattr(module, "module", None) is not None and not hasattr(module, "get_output_embeddings"):
+        raise IntegrationError("compile_engine: the engine's module is FSDP1-wrapped; use strategy='fsdp2'")
+    _install_head_forward(module)
+    compiled = torch.compile(_per_token, backend=backend, options=options, dynamic=None)
+    original = engine.forward_step
+    warned: set[str] = set()
+
+    def forward_step(micro_batch, loss_function, forward_only):
+        why = _unsupported(micro_batch)
+        if why is not None:
+            if why not in warned:
+                warned.add(why)
+                log.warning("tilecompile: verl's forward_step runs uncompiled, as verl wrote it: %s", why)
+            return original(micro_batch, loss_function=loss_function, forward_only=forward_only)
+        return _step(engine, compiled, micro_batch, loss_function)
+
+    engine.forward_step = forward_step
+    setattr(engine, _ATTR, compiled)
+    return engine
+
+
+# ------------------------------------------------------------------ what is refused, what falls back
+
+
+def _refused(engine: Any) -> str | None:
+    """Why ``engine`` cannot be compiled at all, or None."""
+    names = [c.__name__ for c in type(engine).__mro__]
+    if "FSDPEngineWithLMHead" not in names:
+        return f"needs verl's FSDPEngineWithLMHead (verl 0.9.x); got {type(engine).__name__}"
+    if "FSDPEngineWithValueHead" in names:
+        return "a value-head engine (the critic) has no lm_head to fuse; compile the actor's engine"
+    if getattr(engine, "module", None) is None:
+        return "the engine has no module yet; call engine.initialize() first"
+    model_config = getattr(engine, "model_config", None)
+    if getattr(model_config, "use_fused_kernels", False) or getattr(engine.engine_config, "use_fused_kernels", False):
+        return (
+            "use_fused_kernels=True: verl's own fused lm_head kernel returns the log-probs from inside the model, "
+            "where the lm_head pass cannot read them; set actor_rollout_ref.model.use_fused_kernels=False (tilecompile "
+            "fuses the lm_head itself)"
+        )
+    if getattr(engine, "use_ulysses_sp", False):
+        return "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+    return None
+
+
+def _unsupported(micro_batch: Any) -> str | None:
+    """Why a micro-batch must run verl's own ``forward_step``, or None."""
+    from verl.utils import tensordict_utils as tu
+
+    def flag(key: str) -> bool:
+        return bool(tu.get_non_tensor_data(data=micro_batch, key=key, default=False))
+
+    if flag("use_fused_kernels"):
+        return "use_fused_kernels in the micro-batch (verl's own fused lm_head)"
+    if flag("calculate_sum_pi_squared"):
+        return "calculate_sum_pi_squared (needs the full softmax, which the fused op does not build)"
+    if flag("distillation_use_topk") or flag("distillation_only"):
+        return "top-K distillation (needs the logits)"
+    if len(micro_batch.get("multi_modal_inputs", [])):
+        return "multi-modal inputs"
+    if micro_batch["position_ids"].dim() == 3:
+        return "3-D (mrope) position ids"
+    return None
+
+
+# ------------------------------------------------------------------ the compiled part
+
+
+def _install_head_forward(module: torch.nn.Module) -> None:
+    """Give the FSDP2 root ``module`` (a causal LM) a ``forward`` that returns per-token log-probs and entropy
+    instead of logits, so that the lm_head and their math are in the graph of the root's call; FSDP2's hooks on the
+    root (which gather its parameters: embeddings, final norm, lm_head) still run around it."""
+    if not callable(getattr(module, "get_decoder", None)) or not callable(
+        getattr(module, "get_output_embeddings", None)
+    ):
+        raise IntegrationError(
+            f"compile_engine: needs a causal LM with get_decoder() and get_output_embeddings() (Hugging Face's); "
+            f"got {type(module).__name__}"
+        )
+    model_forward = module.forward
+
+    def forward(*args, tilecompile_labels=None, tilecompile_temperature=1.0, tilecompile_entropy=False, **kwargs):
+        if tilecompile_labels is None:  # any other caller (verl's own forward_step, generation): the model's
+            return model_forward(*args, **kwargs)
+        hidden = module.get_decoder()(*args, **kwargs).last_hidden_state
+        logits = module.get_output_embeddings()(hidden)
+        return _log_probs_entropy(logits, tilecompile_labels, tilecompile_temperature, tilecompile_entropy)
+
+    module.forward = forward
+
+
+def _log_probs_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature, entropy: bool):
+    """verl's ``logprobs_from_logits`` and ``entropy_from_logits`` on ``logits / temperature`` (the same math, in
+    fp32, no loop over rows)."""
+    z = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        z = z / temperature.clamp(min=1e-8).unsqueeze(-1)
+    elif temperature != 1.0:
+        z = z / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    log_probs = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ent = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1) if entropy else None
+    return log_probs, ent
+
+
+def _per_token(module, model_inputs: dict, labels: torch.Tensor, temperature, entropy: bool):
+    return module(
+        **model_inputs,
+        use_cache=False,
+        tilecompile_labels=labels,
+        tilecompile_temperature=temperature,
+        tilecompile_entropy=entropy,
+    )
+
+
+# ------------------------------------------------------------------ the eager step around it
+
+
+def _step(engine: Any, compiled, micro_batch: Any, loss_function):
+    """verl's ``forward_step`` with the model and its log-probs compiled (see the module docstring)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id, get_device_name
+    from verl.workers.engine.utils import detach_tree
+
+    micro_batch = micro_batch.to(get_device_id())
+    model_inputs, output_args = engine.prepare_model_inputs(micro_batch=micro_batch)
+    rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+    want_entropy = bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+    cu_seqlens = micro_batch["input_ids"].offsets()
+    rolled = output_args["input_ids_rmpad_rolled"]
+    if rmpad:
+        labels = rolled.unsqueeze(0)  # (1, nnz), like the packed ids
+        temperature = output_args["temperature_rmpad"].unsqueeze(0)
+        keep = None
+    else:
+        ids = model_inputs["input_ids"]
+        keep = model_inputs["attention_mask"].bool()  # verl's mask: position < length, per row
+        labels = torch.zeros_like(ids).masked_scatter_(keep, rolled)
+        temperature = output_args["temperature"].unsqueeze(-1).expand(ids.shape)
+    if output_args.get("temperature_is_one", False):
+        temperature = 1.0
+    _mark_dynamic(model_inputs, labels, temperature)
+
+    autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    autocast = (
+        nullcontext()
+        if autocast_dtype == torch.float32
+        else torch.autocast(device_type=get_device_name(), dtype=autocast_dtype)
+    )
+    with autocast:
+        log_probs, entropy = compiled(engine.module, model_inputs, labels, temperature, want_entropy)
+        if rmpad:
+            pad_size = output_args["pad_size"]
+            log_probs = engine._gather_and_unpad_packed(log_probs.squeeze(0), pad_size)
+            entropy = None if entropy is None else engine._gather_and_unpad_packed(entropy.squeeze(0), pad_size)
+        else:
+            log_probs = log_probs[keep]
+            entropy = None if entropy is None else entropy[keep]
+        model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs, cu_seqlens)}
+        if want_entropy:
+            model_output["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, cu_seqlens)
+
+        if loss_function is not None:
+            loss, metrics = loss_function(
+                model_output=model_output, data=micro_batch, dp_group=engine.get_data_parallel_group()
+            )
+        else:
+            loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
+        output = {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+    return loss, output
+
+
+def _mark_dynamic(model_inputs: dict, labels: torch.Tensor, temperature) -> None:
+    """The token dimension (and the batch, on the padded path) of every per-token input varies between
+    micro-batches: mark it dynamic, so that the first compile serves every length."""
+    tensors = [t for t in model_inputs.values() if isinstance(t, torch.Tensor)] + [labels]
+    if isinstance(temperature, torch.Tensor):
+        tensors.append(temperature)
+    for t in tensors:
+        for dim in range(t.dim()):
+            if t.shape[dim] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+__all__ = ["IntegrationError", "compile_engine"]
