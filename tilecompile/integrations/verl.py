@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from tilecompile.integrations import loss_head
 from tilecompile.integrations.trainers import IntegrationError
 
 log = logging.getLogger("tilecompile")
@@ -57,7 +58,7 @@ def compile_engine(engine: Any, *, backend: Any = "tilecompile", options: dict |
     if getattr(module, "module", None) is not None and not hasattr(module, "get_output_embeddings"):
         raise IntegrationError("compile_engine: the engine's module is FSDP1-wrapped; use strategy='fsdp2'")
     _install_head_forward(module)
-    compiled = torch.compile(_per_token, backend=backend, options=options, dynamic=None)
+    compiled = torch.compile(_per_token, backend=backend, options=options, dynamic=True)
     original = engine.forward_step
     warned: set[str] = set()
 
@@ -123,9 +124,12 @@ def _unsupported(micro_batch: Any) -> str | None:
 
 
 def _install_head_forward(module: torch.nn.Module) -> None:
-    """Give the FSDP2 root ``module`` (a causal LM) a ``forward`` that returns per-token log-probs and entropy
-    instead of logits, so that the lm_head and their math are in the graph of the root's call; FSDP2's hooks on the
-    root (which gather its parameters: embeddings, final norm, lm_head) still run around it."""
+    """Give the FSDP2 root ``module`` (a causal LM) and its lm_head a second mode, chosen by the ``tilecompile_*``
+    keywords: the root runs its decoder and hands the hidden states to the lm_head, and the lm_head returns the
+    per-token log-probs and entropy instead of logits. verl wraps the lm_head in an FSDP2 unit of its own (untied
+    embeddings), and FSDP2's hooks break the graph at each wrapped module's call; with the per-token math inside the
+    lm_head's own ``forward`` the linear and its log-softmax share that call's graph, where the lm_head pass fuses
+    them. Any other call (verl's own ``forward_step``, generation) runs the model's forward as before."""
     if not callable(getattr(module, "get_decoder", None)) or not callable(
         getattr(module, "get_output_embeddings", None)
     ):
@@ -134,15 +138,107 @@ def _install_head_forward(module: torch.nn.Module) -> None:
             f"got {type(module).__name__}"
         )
     model_forward = module.forward
+    lm_head = module.get_output_embeddings()
+    if not isinstance(lm_head, torch.nn.Linear):
+        raise IntegrationError(f"compile_engine: the lm_head is a {type(lm_head).__name__}, not a Linear")
+    head_forward = lm_head.forward
 
     def forward(*args, tilecompile_labels=None, tilecompile_temperature=1.0, tilecompile_entropy=False, **kwargs):
-        if tilecompile_labels is None:  # any other caller (verl's own forward_step, generation): the model's
+        if tilecompile_labels is None:
             return model_forward(*args, **kwargs)
         hidden = module.get_decoder()(*args, **kwargs).last_hidden_state
-        logits = module.get_output_embeddings()(hidden)
+        return lm_head(
+            hidden,
+            tilecompile_labels=tilecompile_labels,
+            tilecompile_temperature=tilecompile_temperature,
+            tilecompile_entropy=tilecompile_entropy,
+        )
+
+    def lm_head_forward(hidden, tilecompile_labels=None, tilecompile_temperature=1.0, tilecompile_entropy=False):
+        if tilecompile_labels is None:
+            return head_forward(hidden)
+        logits = torch.nn.functional.linear(hidden, lm_head.weight, lm_head.bias)
         return _log_probs_entropy(logits, tilecompile_labels, tilecompile_temperature, tilecompile_entropy)
 
     module.forward = forward
+    lm_head.forward = lm_head_forward
+    _use_layer_masks(module)
+
+
+# ------------------------------------------------------------------ attention masks built in each layer's graph
+
+
+def _use_layer_masks(module: torch.nn.Module) -> bool:
+    """``tilecompile.integrations.loss_head.use_layer_masks`` (each decoder layer builds HF's causal mask over the
+    padding mask in its own graph, where the attention pass reads it), extended to verl's remove-padding batches:
+    one packed row, ``attention_mask=None`` and position ids that restart at each sequence. For those HF builds a
+    causal-and-same-sequence mask from the sequence index of each token (``find_packed_sequence_indices``) before
+    the first layer; FSDP2 breaks the graph at every layer, so the layers got it as an input. Here the layers get
+    the [B, 1, N] sequence index instead and build the same mask themselves (``_packed_attention``)."""
+    if not loss_head.use_layer_masks(module):
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(_PACKED_MASK, _packed_attention)
+    AttentionMaskInterface.register(_PACKED_MASK, _packed_mask)
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "_attn_implementation", None) == loss_head.LAYER_MASK:
+            cfg._attn_implementation = _PACKED_MASK
+    return True
+
+
+_PACKED_MASK = "tilecompile_verl_sdpa"
+
+
+def _packed_sequence_index(mask_function) -> torch.Tensor | None:
+    """The [B, N] sequence index inside HF's ``and_masks(causal_mask_function,
+    packed_sequence_mask_function(index))``, or None for any other mask function."""
+    mu = loss_head._HF["masking_utils"]
+    cells = dict(zip(mask_function.__code__.co_freevars, mask_function.__closure__ or ()))
+    if mask_function.__name__ != "and_mask" or "mask_functions" not in cells:
+        return None
+    parts = cells["mask_functions"].cell_contents
+    if len(parts) != 2 or parts[0] is not mu.causal_mask_function:
+        return None
+    packed = parts[1]
+    inner = dict(zip(packed.__code__.co_freevars, packed.__closure__ or ()))
+    if packed.__qualname__ != mu.packed_sequence_mask_function.__name__ + ".<locals>.inner_mask":
+        return None
+    index = inner.get("packed_sequence_mask")
+    return None if index is None else index.cell_contents
+
+
+def _packed_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                 local_size=None, **kwargs):  # fmt: skip
+    """HF's mask function for ``_PACKED_MASK``: packed sequences over no padding give the layers their [B, 1, N]
+    sequence index; everything else is ``loss_head``'s (the padding mask, or HF's own mask)."""
+    plain = isinstance(q_offset, int) and q_offset == 0 and isinstance(kv_offset, int) and kv_offset == 0
+    index = _packed_sequence_index(mask_function) if plain and local_size is None and attention_mask is None else None
+    if index is not None and index.shape[-1] == kv_length:
+        return index.unsqueeze(1)
+    return loss_head._layer_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                 attention_mask, local_size, **kwargs)  # fmt: skip
+
+
+def _packed_attention(module, query, key, value, attention_mask, **kwargs):
+    """HF's sdpa attention; a [B, 1, N] sequence index becomes HF's causal-and-same-sequence mask here, in the
+    layer's graph (the same ``sdpa_mask`` call HF makes before the first layer)."""
+    if attention_mask is not None and attention_mask.dim() == 3:
+        mu = loss_head._HF["masking_utils"]
+        index = attention_mask[:, 0]
+        # under dynamic shapes the index's length is a symbol of its own: say it is the keys' length, so that the
+        # attention pass sees a per-token tensor of the attention's length
+        torch._check(index.shape[-1] == key.shape[2])
+        fn = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(index))
+        attention_mask = mu.sdpa_mask(query.shape[0], query.shape[2], key.shape[2], mask_function=fn,
+                                      allow_is_causal_skip=False, device=query.device)  # fmt: skip
+        return loss_head._HF["sdpa_attention_forward"](module, query, key, value, attention_mask, **kwargs)
+    return loss_head._layer_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+# ------------------------------------------------------------------ the per-token math
 
 
 def _log_probs_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature, entropy: bool):
