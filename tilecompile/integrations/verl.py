@@ -225,12 +225,14 @@ def _packed_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
 def _packed_attention(module, query, key, value, attention_mask, **kwargs):
     """HF's sdpa attention; a [B, 1, N] sequence index becomes HF's causal-and-same-sequence mask here, in the
     layer's graph (the same ``sdpa_mask`` call HF makes before the first layer)."""
+    if attention_mask is not None and attention_mask.dim() in (2, 3):
+        # under dynamic shapes the mask's sizes are symbols of their own (a graph input): say they are the batch and
+        # the keys' length, so that the attention pass sees a per-token tensor of the attention's shape
+        torch._check(attention_mask.shape[0] == query.shape[0])
+        torch._check(attention_mask.shape[-1] == key.shape[2])
     if attention_mask is not None and attention_mask.dim() == 3:
         mu = loss_head._HF["masking_utils"]
         index = attention_mask[:, 0]
-        # under dynamic shapes the index's length is a symbol of its own: say it is the keys' length, so that the
-        # attention pass sees a per-token tensor of the attention's length
-        torch._check(index.shape[-1] == key.shape[2])
         fn = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(index))
         attention_mask = mu.sdpa_mask(query.shape[0], query.shape[2], key.shape[2], mask_function=fn,
                                       allow_is_causal_skip=False, device=query.device)  # fmt: skip
