@@ -59,6 +59,11 @@ def compile_engine(engine: Any, *, backend: Any = "tilecompile", options: dict |
         raise IntegrationError("compile_engine: the engine's module is FSDP1-wrapped; use strategy='fsdp2'")
     _install_head_forward(module)
     compiled = torch.compile(_per_token, backend=backend, options=options, dynamic=True)
+    # torch 2.11: the graph break at a layer's FSDP2 hooks falls inside the decoder's loop over its layers, and
+    # Dynamo then runs that whole frame eagerly ("graph break in loop"); a layer compiled on its own keeps its graph
+    # (where Dynamo traces the loop, torch 2.13, these compiles are inlined into that trace). As LossHead.compile.
+    for layer in getattr(module.get_decoder(), "layers", ()):
+        layer.compile(backend=backend, options=options, dynamic=True)
     original = engine.forward_step
     warned: set[str] = set()
 
