@@ -25,15 +25,21 @@ state included), the first step's seconds, the report's counts. Each method's ro
 On one H200 the default run (2 methods, 28 layers) should take 4-6 minutes; ``--layers 8`` is a quicker look.
 
 The GPU machine has no network: verl and what importing its engine needs travel as wheels (python 3.12, manylinux),
-installed without dependencies into .site; torch, triton, transformers' own dependencies and accelerate/peft/datasets
-come from the image. TRL 0.29.1 is there because verl's monkey patch imports TRL's value-head model when TRL is
-installed, which TRL 1.x removed; transformers 5.10.4 because verl 0.9.1 pins transformers < 5.11. Here:
+installed without dependencies into .site; torch, triton, accelerate, peft, datasets, huggingface_hub, tokenizers and
+safetensors come from the image. TRL 0.29.1 is there because verl's monkey patch imports TRL's value-head model when
+TRL is installed, which TRL 1.x removed; transformers 5.10.4 because verl 0.9.1 pins transformers < 5.11. The same
+versions as .ci/compat's verl venv, where tests/test_verl.py passes. ray is left out: its wheel (79 MB) is more than
+the GPU machine takes along (64 MiB), and one process never calls it; verl/__init__.py and verl's worker module import
+it, so where ray is not installed ``stub_ray`` stands in for it at import time. Here (27 wheels, about 19 MB):
 
     echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \\
-      verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 orjson==3.13.0 cloudpickle==3.1.3 codetiming==1.4.0 \\
-      omegaconf==2.4.0 ray==2.60.0 msgpack==1.2.4 trl==0.29.1 transformers==5.10.4
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+      verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 orjson==3.13.0 cloudpickle==3.1.3 importlib_metadata==10.2.0 \
+      lazy-importer==0.1.0 zipp==4.1.2 codetiming==1.4.0 omegaconf==2.4.0 msgpack==1.2.4 click==8.5.1 \
+      jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 \
+      pillow==13.0.0 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1 charset-normalizer==3.5.3 \
+      pyyaml==6.0.4 protobuf==7.36.2 trl==0.29.1 transformers==5.10.4
 
 Then on the GPU machine, with .whl sent along with the working tree:
 
@@ -110,6 +116,62 @@ def cpu_platform():
     return PlatformCPU()
 
 
+class _RayStub:
+    """Stands for any name of ray's at import time (a decorator returns what it decorates)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _RayStub(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return _RayStub(self._name + "()")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+def stub_ray() -> bool:
+    """Where ray is not installed, make ``import ray`` (and ``ray.*``) give stand-ins, so that verl's modules import:
+    verl/__init__.py and verl.single_controller import ray, and the engine never calls it in one process."""
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("ray") is not None and not os.environ.get("BENCH_VERL_STUB_RAY"):
+        return False
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name == "ray" or name.startswith("ray."):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            module = types.ModuleType(spec.name)
+            module.__path__ = []
+
+            def getattr_(attr):
+                if attr.startswith("__"):
+                    raise AttributeError(attr)
+                return _RayStub(f"{spec.name}.{attr}")
+
+            module.__getattr__ = getattr_
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    sys.meta_path.insert(0, Finder())
+    return True
+
+
 def flash_attn_available() -> bool:
     try:
         import flash_attn  # noqa: F401
@@ -154,6 +216,8 @@ def make_batch(step: int, cfg: dict):
 def worker(cfg: dict) -> dict:
     """Build verl's engine for ``cfg["method"]``, run the steps, return the row."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    if stub_ray():
+        print("  ray is not installed: verl imports it through stand-ins (stub_ray)", file=sys.stderr, flush=True)
     import functools
 
     import torch.distributed as dist
