@@ -221,3 +221,31 @@ def test_refuses_use_fused_kernels(model_path):
     eng = engine(model_path, True, fused=True)
     with pytest.raises(IntegrationError, match="use_fused_kernels"):
         compile_engine(eng)
+
+
+def infer(eng, rmpad: bool, **flags) -> dict:
+    td = batch(7, rmpad)
+    tu.assign_non_tensor(td, **flags)
+    with eng.eval_mode():
+        out = eng.infer_batch(td, None)["model_output"]
+    return {k: v.values() if v.is_nested else v for k, v in out.items()}
+
+
+def test_temperature(model_path):
+    """verl's temperature (one number for the batch) reaches the fused op as its temperature."""
+    want = infer(engine(model_path, True), True, temperature=0.7)
+    got = infer(engine(model_path, True, compiled=True), True, temperature=0.7)
+    for k in ("log_probs", "entropy"):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    rewrites = [x for x in tilecompile.report().rewrites if x.pass_name == "fused_linear_ce"]
+    assert rewrites and all("temperature 0.7" in x.detail for x in rewrites), str(tilecompile.report())
+
+
+def test_logits_only_outputs_run_verls_own_step(model_path, caplog):
+    """calculate_sum_pi_squared needs the whole softmax: that micro-batch runs verl's own forward_step, and says so."""
+    want = infer(engine(model_path, True), True, calculate_sum_pi_squared=True)
+    with caplog.at_level("WARNING", logger="tilecompile"):
+        got = infer(engine(model_path, True, compiled=True), True, calculate_sum_pi_squared=True)
+    assert "calculate_sum_pi_squared" in caplog.text
+    for k in ("log_probs", "entropy", "sum_pi_squared"):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)

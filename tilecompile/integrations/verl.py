@@ -296,8 +296,9 @@ def _step(engine: Any, compiled, micro_batch: Any, loss_function):
         keep = model_inputs["attention_mask"].bool()  # verl's mask: position < length, per row
         labels = torch.zeros_like(ids).masked_scatter_(keep, rolled)
         temperature = output_args["temperature"].unsqueeze(-1).expand(ids.shape)
-    if output_args.get("temperature_is_one", False):
-        temperature = 1.0
+    host = micro_batch["temperature"]
+    if not isinstance(host, torch.Tensor):  # one temperature for the batch: a number, which the fused op takes
+        temperature = float(host)
     _mark_dynamic(model_inputs, labels, temperature)
 
     autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
