@@ -25,9 +25,9 @@ model and its log-probs:
   graph: the fused op runs in recompute mode (its backward recomputes the logits tile by tile).
 
 Refused (``IntegrationError``, at ``compile_engine``): ``use_fused_kernels`` (verl's own fused lm_head, which returns
-log-probs the passes cannot read), Ulysses sequence parallelism, a value-head engine. Micro-batches that ask for
-what the compiled step does not compute (``calculate_sum_pi_squared``, top-K distillation, multi-modal inputs,
-3-D position ids) run verl's own ``forward_step``, with a warning naming why.
+log-probs the passes cannot read), Ulysses sequence parallelism, FSDP1, LoRA, a value-head engine. Micro-batches that
+ask for what the compiled step does not compute (``calculate_sum_pi_squared``, top-K distillation, multi-modal
+inputs, 3-D position ids) run verl's own ``forward_step``, with a warning naming why.
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ def compile_engine(engine: Any, *, backend: Any = "tilecompile", options: dict |
     if why is not None:
         raise IntegrationError(f"compile_engine: {why}")
     module = engine.module
-    if getattr(module, "module", None) is not None and not hasattr(module, "get_output_embeddings"):
-        raise IntegrationError("compile_engine: the engine's module is FSDP1-wrapped; use strategy='fsdp2'")
     _install_head_forward(module)
     compiled = torch.compile(_per_token, backend=backend, options=options, dynamic=True)
     # torch 2.11: the graph break at a layer's FSDP2 hooks falls inside the decoder's loop over its layers, and
@@ -102,6 +100,10 @@ def _refused(engine: Any) -> str | None:
         )
     if getattr(engine, "use_ulysses_sp", False):
         return "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+    if isinstance(engine.module, torch.distributed.fsdp.FullyShardedDataParallel):
+        return "FSDP1 (strategy='fsdp') is not supported; use strategy='fsdp2'"
+    if getattr(engine, "_is_lora", False):
+        return "LoRA (lora_rank > 0) is not supported yet: its adapters sit beside the projections the passes rewrite"
     return None
 
 
