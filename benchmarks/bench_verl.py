@@ -41,10 +41,11 @@ it, so where ray is not installed ``stub_ray`` stands in for it at import time. 
       pillow==13.0.0 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1 charset-normalizer==3.5.3 \
       pyyaml==6.0.4 protobuf==7.36.2 trl==0.29.1 transformers==5.10.4
 
-Then on the GPU machine, with .whl sent along with the working tree:
+Then on the GPU machine, with .whl sent along with the working tree (the device tool's ``carry=[".whl"]``):
 
+    python3 -m pip install -q --no-deps --no-build-isolation -e .
     python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
-    PYTHONPATH=$PWD/.site:$PWD python3 benchmarks/bench_verl.py
+    PYTHONPATH=$PWD/.site python3 benchmarks/bench_verl.py
 
 usage: python benchmarks/bench_verl.py [--methods verl,tilecompile] [--layers 28] [--tokens 16384] [--steps 3]
            [--warmup 2] [--budget 420] [--out benchmarks/results/verl.csv]
