@@ -167,13 +167,17 @@ def graphs() -> int:
 
 
 def run(eng, rmpad: bool) -> tuple[list[list[float]], dict, list[int]]:
-    """3 updates with prompts of 6, 7, 8 tokens (other packed lengths each step), then a log-prob pass; the
-    metrics of each update, the log-probs and entropy, and the graph count after each update."""
+    """3 updates with prompts of 6, 7, 8 tokens (other packed lengths each step), then a log-prob pass; the grad
+    norm, metrics and micro-batch losses of each update, the log-probs and entropy, and the graph count after each
+    update."""
     metrics, counts = [], []
     for step in range(3):
         with eng.train_mode():
-            m = eng.train_batch(batch(step, rmpad, prompt=6 + step), LOSS)["metrics"]
+            out = eng.train_batch(batch(step, rmpad, prompt=6 + step), LOSS)
+        m, losses = out["metrics"], list(out["loss"])  # the loss of each micro-batch, as the engine returns it
+        assert len(losses) == 2, losses
         metrics.append([m["grad_norm"], *(float(m[k].aggregate()) for k in ("actor/pg_loss", "actor/entropy_loss"))])
+        metrics[-1] += losses
         counts.append(graphs())
     with eng.eval_mode():
         out = eng.infer_batch(batch(7, rmpad), None)["model_output"]
@@ -183,7 +187,8 @@ def run(eng, rmpad: bool) -> tuple[list[list[float]], dict, list[int]]:
 def assert_same(got, want, rtol: float, atol: float = 0.0) -> None:
     (gm, go, _), (wm, wo, _) = got, want
     for step, (g, w) in enumerate(zip(gm, wm)):
-        for name, a, b in zip(("grad_norm", "pg_loss", "entropy_loss"), g, w):
+        assert len(g) == len(w) == 5, (g, w)
+        for name, a, b in zip(("grad_norm", "pg_loss", "entropy_loss", "loss[0]", "loss[1]"), g, w):
             assert abs(a - b) <= rtol * abs(b) + atol, f"step {step} {name}: {a} vs plain verl's {b}"
     for k in ("log_probs", "entropy"):
         err = ((go[k] - wo[k]).abs() / (wo[k].abs() + atol)).max().item()
