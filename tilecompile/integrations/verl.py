@@ -1,6 +1,6 @@
 """Compiles what verl's FSDP engine runs for a micro-batch (``FSDPEngineWithLMHead.forward_step``, verl 0.9.x): the
-model forward, the lm_head and the per-token log-prob / entropy math in one graph, so that the lm_head is fused (its
-[N, V] logits never built), the MLPs tiled and the attention mask rewritten::
+model forward with the per-token log-prob / entropy math after its lm_head, so that the lm_head is fused (its [N, V]
+logits never built), the MLPs tiled and the attention masks rewritten::
 
     from tilecompile.integrations.verl import compile_engine
 
@@ -14,11 +14,13 @@ model and its log-probs:
   views of jagged tensors hit a PyTorch bug under compile (``view(): cannot view shape (2, j1) as [2, j1]``).
 - the compiled function gets dense tensors only: verl's model inputs (remove-padding: the packed ``(1, nnz)`` ids
   and positions; padded: ``(B, S)`` ids, positions and the padding mask), the labels (verl's rolled ids, laid out
-  like the logits) and the temperature. It calls the FSDP2 root module, whose ``forward`` is the model's decoder,
-  its lm_head and ``log_softmax`` / ``gather`` and ``logsumexp - sum(softmax * z)``: the math of verl's
-  ``logprobs_from_logits`` (on a GPU flash-attn's Triton cross-entropy, on a CPU a per-row loop) and
-  ``entropy_from_logits``, written once without a loop, in torch ops the lm_head pass fuses. The sequence
-  dimension is marked dynamic: one compile serves every micro-batch length.
+  like the logits) and the temperature. It calls the FSDP2 root module with them. FSDP2's hooks break the graph at
+  every unit verl wraps (each decoder layer, the embeddings, an untied lm_head), so the pieces are laid out for
+  that: the lm_head's own ``forward`` computes ``log_softmax`` / ``gather`` and ``logsumexp - sum(softmax * z)``
+  (the math of verl's ``logprobs_from_logits``, which on a GPU takes flash-attn's Triton cross-entropy and on a CPU
+  loops over rows, and of ``entropy_from_logits``, written once without a loop) in the lm_head's graph, where the
+  lm_head pass fuses it; each decoder layer builds its attention mask in its own graph (``_use_layer_masks``),
+  where the attention pass reads it. Shapes are dynamic: one compile serves every micro-batch length.
 - back in eager mode the per-token values are packed into verl's nested tensors (a boolean mask on the padded
   path), and verl's ``loss_function`` runs on them as before. verl's losses (``ppo_loss``, ``sft_loss``) read
   TensorDicts and nested tensors and loop over rows (``no_padding_2_padding``), so the loss stays outside the
