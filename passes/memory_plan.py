@@ -111,18 +111,20 @@ def _is_parameter(node: Any) -> bool:
     )
 
 
-def computed_bytes(body: fx.GraphModule) -> Any:
-    """Every floating tensor the body computes (views and casts of one tensor counted once): an upper bound on what
-    its backward can save, and on its recompute's temporaries."""
-    total = 0
-    for n in body.graph.nodes:
+def _computed(gm: fx.GraphModule) -> Any:
+    """The sizes of the floating tensors ``gm`` computes (views and casts of one tensor counted once)."""
+    for n in gm.graph.nodes:
         value = fxgraph.example_value(n)
         if n.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
             continue
-        if not value.is_floating_point() or fxgraph.is_view_like(n) or fxgraph.op(n) in _NOT_COMPUTED:
-            continue
-        total = total + _bytes(value)
-    return total
+        if value.is_floating_point() and not fxgraph.is_view_like(n) and fxgraph.op(n) not in _NOT_COMPUTED:
+            yield _bytes(value)
+
+
+def computed_bytes(body: fx.GraphModule) -> Any:
+    """Every floating tensor the body computes: an upper bound on what its backward can save, and on its
+    recompute's temporaries."""
+    return sum(_computed(body), 0)
 
 
 def _storage_base(n: fx.Node) -> fx.Node:
@@ -279,17 +281,8 @@ def _device(nodes: Any) -> torch.device:
 def graph_activations(gm: fx.GraphModule) -> tuple[Any, Any]:
     """(every floating tensor the graph computes, the largest of them): from above, what its backward could save,
     and one temporary of its own."""
-    total, largest = 0, 0
-    for n in gm.graph.nodes:
-        value = fxgraph.example_value(n)
-        if n.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor):
-            continue
-        if not value.is_floating_point() or fxgraph.is_view_like(n) or fxgraph.op(n) in _NOT_COMPUTED:
-            continue
-        size = _bytes(value)
-        total = total + size
-        largest = size if _hint(size) > _hint(largest) else largest
-    return total, largest
+    sizes = list(_computed(gm))
+    return sum(sizes, 0), max(sizes, key=_hint, default=0)
 
 
 def plan_uncheckpointed(gm: fx.GraphModule, settings: Any) -> None:
