@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from tilecompile import config, reporting
+from tilecompile import config, offload, reporting
 from tilecompile import graph as fxgraph
 from tilecompile.pass_api import PassContext, PassResult, snapshot_graph
 
@@ -60,6 +60,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result.consider(site, _candidate(site))
     if ctx.graph_name != "<root>":  # the backend's undo restores the root graph only
         _skip(result, gm, sites, "inside another higher-order op's body: regions are made in the root graph only")
+        return result
+    if offload.tagged(gm):  # AOTAutograd's getitems of a region's call carry its own meta, not the plan's tags
+        reason = ("the memory plan offloads checkpointed inputs to host memory: the partition finds them in the "
+                  "flat graph only")  # fmt: skip
+        _skip(result, gm, sites, reason)
         return result
     subclass = _subclass_input(gm)
     if subclass:  # AOTAutograd traces such a graph through the subclass, which invoke_subgraph has no rule for

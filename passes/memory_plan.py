@@ -42,13 +42,14 @@ import torch
 import torch.fx as fx
 
 from tilecompile import graph as fxgraph
-from tilecompile import ops, reporting
+from tilecompile import offload, ops, reporting
 from tilecompile.pass_api import PassContext, PassResult
 
 NAME = "memory_plan"
 KEPT = "tilecompile_kept_layer"  # node.meta key: the node belongs to a layer this pass kept whole (its name)
 GIB = 2**30
 AUTO_FRACTION = 0.85  # the budget under auto: of a CUDA device's memory (the rest: the allocator's fragmentation)
+HOST_FRACTION = 0.8  # the host budget under auto: of the host memory available when the graph is compiled
 _NOT_COMPUTED = frozenset({"detach", "to", "float", "half", "bfloat16", "type_as", "contiguous", "clone"})
 
 
@@ -64,6 +65,7 @@ class Layer:
     kept: Any  # what it saves for its backward without checkpointing (the partitioner's, or ``computed``)
     why_not: str | None = None  # why the layer cannot be kept, or None
     computed: Any = None  # every floating tensor its body computes: bounds one recompute's temporaries
+    inputs: list[fx.Node] = dataclasses.field(default_factory=list)  # the root graph's nodes ``saved`` counts
 
 
 @dataclasses.dataclass
@@ -186,11 +188,9 @@ def size_layers(gm: fx.GraphModule, sites: list[fx.Node], inner: str = "inductor
             readers[a] = readers.get(a, 0) + 1
     layers, by_body = [], {}
     for site in sites:
-        saved = sum(
-            (_bytes(fxgraph.example_value(a)) for a in dict.fromkeys(site.all_input_nodes)
-             if readers[a] == 1 and not _is_parameter(a)),
-            0,
-        )  # fmt: skip
+        inputs = [a for a in dict.fromkeys(site.all_input_nodes) if readers[a] == 1 and not _is_parameter(a)]
+        inputs = [a for a in inputs if isinstance(fxgraph.example_value(a), torch.Tensor)]
+        saved = sum((_bytes(fxgraph.example_value(a)) for a in inputs), 0)
         body = body_of(gm, site)
         computed, kept = 0, 0
         if body is not None:
@@ -208,7 +208,7 @@ def size_layers(gm: fx.GraphModule, sites: list[fx.Node], inner: str = "inductor
             why_not = "its body is not a graph module"
         elif any(not (u.op == "call_function" and u.target is operator.getitem) for u in site.users):
             why_not = "its outputs are used other than one by one (getitem)"
-        layers.append(Layer(site, _where(gm, site), saved, kept, why_not, computed))
+        layers.append(Layer(site, _where(gm, site), saved, kept, why_not, computed, inputs))
     return layers
 
 
@@ -244,6 +244,82 @@ def trainable_bytes(gm: fx.GraphModule) -> int:
         if n.op in ("placeholder", "get_attr") and isinstance(value, torch.Tensor) and value.requires_grad:
             total += _hint(_bytes(value)) if _is_parameter(n) else 0
     return total
+
+
+def host_room(setting: float | None) -> tuple[int, str]:
+    """(bytes of host memory the offloaded inputs may take, words for the report): ``setting`` GiB, or under auto
+    HOST_FRACTION of what the host has available now."""
+    if setting is not None:
+        return int(setting * GIB), f"host budget {gib(int(setting * GIB))}"
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:  # MemAvailable counts the page cache the kernel can give back
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        pass
+    return int(HOST_FRACTION * available), f"{HOST_FRACTION:g} of the host's {gib(available)} available"
+
+
+def offload_sources(gm: fx.GraphModule, layer: Layer, sites: list[fx.Node]) -> list[tuple[fx.Node, Any]] | str:
+    """The nodes that make ``layer``'s checkpointed inputs (with the output index where the node is a call), or why
+    it cannot be offloaded. An input that is an output
+    of an earlier checkpointed call is made inside that call's body: both the call (AOTAutograd's getitems of a
+    layer region take its meta) and the body's node (a checkpoint body is traced node by node) are returned."""
+    if not layer.inputs:
+        return "it has no checkpointed input of its own"
+    found = []
+    for a in layer.inputs:
+        if a.op == "placeholder":
+            return "its input is an input of the compiled graph (held by the caller anyway: offloading frees nothing)"
+        if a.op == "call_function" and a.target is operator.getitem and a.args[0] in sites:
+            site, index = a.args[0], a.args[1]
+            body = _own_body(gm, site, sites)
+            result = next(n for n in body.graph.nodes if n.op == "output").args[0]
+            made = result[index] if isinstance(result, (tuple, list)) else result
+            if not isinstance(made, fx.Node) or made.op == "placeholder":
+                return "its input passes through the previous layer unchanged"
+            found += [(site, index), (made, None)]
+        else:
+            found.append((a, None))
+    return found
+
+
+def _own_body(gm: fx.GraphModule, site: fx.Node, sites: list[fx.Node]) -> fx.GraphModule:
+    """``site``'s body, copied first where another call shares it (a tag on its nodes must be this call's only)."""
+    holder = site.args[0]
+    if not any(s is not site and s.args[0].target == holder.target for s in sites):
+        return body_of(gm, site)
+    copy = fx.GraphModule(body_of(gm, site), _copied_graph(body_of(gm, site)))
+    name = f"{holder.target}_{site.name}".replace(".", "_")
+    setattr(gm, name, copy)
+    with gm.graph.inserting_before(site):
+        own = gm.graph.get_attr(name)
+    own.meta = dict(holder.meta)
+    site.update_arg(0, own)
+    return copy
+
+
+def _copied_graph(body: fx.GraphModule) -> fx.Graph:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(body.graph, {}))  # node_copy copies each node's meta
+    return graph
+
+
+def choose_offload(layers: list[Layer], plan: Plan, room: int, host: int, every: bool, can: list[int]) -> list[int]:
+    """The layers whose checkpointed inputs go to the host, from the first (the last the backward reaches: the most
+    time to bring them back): every one that can under ``every``, else as few as make the checkpointed inputs and one
+    recompute fit ``room``; within ``host`` bytes either way."""
+    on_device, on_host, chosen = plan.saved + plan.reserve, 0, []
+    for i in can:
+        if not every and _hint(on_device) <= room:
+            break
+        if on_host + _hint(layers[i].saved) > host:
+            break
+        chosen.append(i)
+        on_device = on_device - layers[i].saved
+        on_host += _hint(layers[i].saved)
+    return chosen
 
 
 def room_for(budget: float, device: torch.device, trainable: int = 0) -> tuple[int, str]:
@@ -330,20 +406,50 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             result.skip(layer.site, reporting.Skip(NAME, f"checkpointed layer {layer.where}", layer.where, reason))
         return result
     room, words = room_for(budget, device, trainable_bytes(gm))
-    plan = choose(layers, room)
+    every = ctx.settings.offload == "all"
+    plan = Plan([], room, 0, 0, 0) if every else choose(layers, room)
+    if every:  # every checkpointed input to the host, nothing kept: the offload measured on its own
+        plan.saved = sum((layer.saved for layer in layers), 0)
+        plan.reserve = max((x.kept if x.computed is None else x.computed for x in layers), key=_hint, default=0)
+        plan.total = plan.saved + plan.reserve
     if plan.keep:
         bool(plan.total <= room)  # under dynamic shapes: a guard, so a length the plan does not fit re-plans
-    elif not isinstance(plan.saved + plan.reserve, int):
+    elif not isinstance(plan.saved + plan.reserve, int) and not every:
         bool(plan.saved + plan.reserve + (layers[-1].kept - layers[-1].saved) > room)
+    over = _hint(plan.saved + plan.reserve) > room
+    offloaded: list[int] = []
+    sources: dict[int, Any] = {}
+    host, host_words = 0, ""
+    if every or (over and ctx.settings.offload == "auto" and not plan.keep):
+        host, host_words = host_room(ctx.settings.host_budget)
+        sources = {i: offload_sources(gm, layer, sites) for i, layer in enumerate(layers)}
+        can = [i for i, found in sources.items() if not isinstance(found, str)]
+        offloaded = choose_offload(layers, plan, room, host, every, can)
+        left = plan.saved + plan.reserve - sum((layers[i].saved for i in offloaded), 0)
+        if offloaded and not every and not isinstance(left, int):
+            bool(left <= room)  # a length the offload no longer covers re-plans
+    on_host = sum((_hint(layers[i].saved) for i in offloaded), 0)
     for i, layer in enumerate(layers):
-        if i in plan.keep:
+        if i in plan.keep or i in offloaded:
             continue
-        if layer.why_not is not None:
+        if layer.why_not is not None and not over:
             reason = f"checkpointed: it cannot be kept whole ({layer.why_not})"
-        elif _hint(plan.saved + plan.reserve) > room:
+        elif offloaded and isinstance(sources.get(i), str):
+            reason = f"checkpointed on the device: its input cannot go to the host ({sources[i]})"
+        elif offloaded and (every or on_host + _hint(layer.saved) > host):
+            reason = (f"checkpointed on the device: the host budget ({gib(host)}; {host_words}) holds no more than "
+                      f"the {len(offloaded)} earlier layers' inputs ({gib(on_host)})")  # fmt: skip
+        elif offloaded:
+            reason = (f"checkpointed on the device: with the inputs of {len(offloaded)} earlier layers on the host "
+                      f"({gib(on_host)}), the rest fits the room of {gib(room)} ({words})")  # fmt: skip
+        elif over:
+            why = {"off": "offload is off (TILECOMPILE_OFFLOAD=off)"}.get(ctx.settings.offload)
+            if why is None and sources:
+                why = (f"no layer's input can go to the host ({sources[i]})" if isinstance(sources[i], str) else
+                       f"the host budget ({gib(host)}; {host_words}) holds none of them")  # fmt: skip
             reason = (f"checkpointed: the layers' checkpointed inputs ({gib(plan.saved)}) and one layer's recompute "
-                      f"({gib(plan.reserve)}) already exceed the room ({gib(room)}; {words}); offloading them to "
-                      "host memory is not built yet")  # fmt: skip
+                      f"({gib(plan.reserve)}) already exceed the room ({gib(room)}; {words}); "
+                      f"{why or 'keeping a layer whole would only add to that'}")  # fmt: skip
         else:
             reason = (f"checkpointed: keeping it too would add about {gib(layer.kept - layer.saved)} to the plan's "
                       f"{gib(plan.total)}, past the room of {gib(room)} ({words})")  # fmt: skip
@@ -354,6 +460,17 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         detail = (f"kept whole: its activations saved (about {gib(layer.kept)}), nothing recomputed; "
                   f"{len(plan.keep)} of {len(layers)} layers kept, the plan holds about {gib(plan.total)} of the "
                   f"room's {gib(room)} ({words})")  # fmt: skip
+        result.rewrote(layer.site, reporting.Rewrite(NAME, layer.where, detail=detail))
+    for i in offloaded:
+        layer = layers[i]
+        for node, index in sources[i]:
+            offload.tag(node, layer.where, index)
+        because = ("offload=all" if every else
+                   f"the layers' checkpointed inputs ({gib(plan.saved)}) and one layer's recompute "
+                   f"({gib(plan.reserve)}) exceed the room ({gib(room)}; {words})")  # fmt: skip
+        detail = (f"checkpointed, its input ({gib(layer.saved)}) offloaded to host memory from the forward to the "
+                  f"backward: {because}; {len(offloaded)} of {len(layers)} layers offloaded, {gib(on_host)} on the "
+                  f"host ({host_words})")  # fmt: skip
         result.rewrote(layer.site, reporting.Rewrite(NAME, layer.where, detail=detail))
     if plan.keep:
         fxgraph.eliminate_dead_code(gm.graph)

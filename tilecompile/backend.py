@@ -26,6 +26,7 @@ from tilecompile import (
     graph_breaks,
     hf_grouped_mm,
     hub_kernels,
+    offload,
     releases,
     reporting,
 )
@@ -83,13 +84,30 @@ def compile_graph(
             with reporting.graph_scope(graph_name):
                 gm = run_passes(gm, settings, graph_name)
                 _note_graph_breaks(gm, settings)
+            planned = offload.tagged(gm)
+            offload.take_offloaded()
             # the layer regions' lowering: compiled whole, or undone and the flat graph lowered where that fails
             compiled = layer_regions.lower(
                 gm, example_inputs, settings, mode, inductor_options, graph_name, lower or inner_compile
             )
+            _offloads_done(planned, offload.take_offloaded(), graph_name, settings)
         finally:
             dynamo_floats.forget_specialized_floats()
         return reporting.serving(graph_name, gm, compiled)  # the report counts the modules this graph serves
+
+
+def _offloads_done(planned: dict[str, fx.Node], done: dict[str, int], graph_name: str, settings: Any) -> None:
+    """The memory plan's offloads the partition did not carry out become skips, with the reason."""
+    for layer in planned:
+        if layer in done:
+            continue
+        reason = (
+            "checkpointed on the device: its input was planned for host memory, but "
+            + (f"the inner compiler {settings.inner!r} has no partition step"
+               if settings.inner == "eager" else
+               "the compiled forward does not save it as a computed, contiguous tensor of its own")
+        )  # fmt: skip
+        reporting.retract("memory_plan", graph_name, layer, f"checkpointed layer {layer}", reason)
 
 
 def _note_graph_breaks(gm: fx.GraphModule, settings: config.Settings) -> None:
@@ -189,16 +207,26 @@ def inner_compile(
     gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str, mode: str | None, options: dict[str, Any]
 ) -> Callable[..., Any]:
     patches = _inductor_patches(mode, options)
+    offloads = bool(offload.tagged(gm))  # the memory plan offloads checkpointed inputs: a partition step of ours
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
         patches = {**dynamic_workarounds(example_inputs, options), **patches}
+        if offloads:
+            patches["custom_partitioner_fn"] = offload.InductorPartitioner()
         with _tagged_caches():
             return compile_fx(gm, example_inputs, config_patches=patches)
     if patches:
         log.warning("inner compiler is %s: Inductor options %s are ignored", inner, sorted(patches))
     if inner == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        return aot_eager(gm, example_inputs)
+        if not offloads:
+            return aot_eager(gm, example_inputs)
+        partition_fn = offload.partition(min_cut_rematerialization_partition)
+        return aot_autograd(
+            fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition_fn, keep_inference_input_mutations=True
+        )(gm, example_inputs)
     return gm.forward

@@ -45,6 +45,17 @@ _SPECS: dict[str, _Spec] = {
         "memory the step may take: auto (0.85 of a CUDA device's, no plan on CPU), GiB (> 1), a fraction "
         "of the device's memory (<= 1), 0: no plan",
     ),
+    # memory_plan: checkpointed layers' inputs copied to host memory between the forward and the backward
+    "offload": _Spec(
+        str,
+        "auto",
+        "checkpointed inputs to host memory: auto (only where the device's budget runs out), all, off",
+        ("auto", "all", "off"),
+    ),
+    # memory_plan: the host memory the offloaded inputs may take; None = auto: HOST_FRACTION of what is available
+    "host_budget": _Spec(
+        float, None, "host memory offloaded inputs may take: auto (0.8 of what the host has available), GiB"
+    ),
     # safety: a failing rewrite raises instead of being undone with a warning
     "strict": _Spec(bool, False, "raise when a pass fails instead of undoing it with a warning"),
     # the compiler the rewritten graph is handed to
@@ -137,6 +148,8 @@ class Settings:
     layer_regions: bool
     memory_plan: bool
     memory_budget: float | None  # None: auto
+    offload: str
+    host_budget: float | None  # None: auto
     strict: bool
     inner: str
     log: str

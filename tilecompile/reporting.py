@@ -182,6 +182,17 @@ def decline(pass_name: str, graph: str, candidate: str, reason: str) -> None:
         _current.skipped.extend(Skip(pass_name, candidate, r.module_path, reason) for r in mine)
 
 
+def retract(pass_name: str, graph: str, module_path: str, candidate: str, reason: str) -> None:
+    """Turns the rewrites ``pass_name`` recorded for ``module_path`` in ``graph`` into a skip with ``reason``: a later
+    stage (the inner compile) did not carry them out."""
+    with _lock:
+        mine = [r for r in _current.rewrites
+                if r.pass_name == pass_name and r.graph == graph and r.module_path == module_path]  # fmt: skip
+        if mine:
+            _current.rewrites[:] = [r for r in _current.rewrites if not any(r is m for m in mine)]
+            _current.skipped.append(Skip(pass_name, candidate, module_path, reason))
+
+
 @contextlib.contextmanager
 def discarded_on_error(graph: Callable[[], str], quiet: tuple[type[BaseException], ...]):
     """Records made inside the block are dropped again if it raises: the graph was not compiled. Dynamo restarts its

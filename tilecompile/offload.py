@@ -1,0 +1,183 @@
+"""Checkpointed inputs offloaded to host memory: the partition step that puts ``tilecompile::offload`` and
+``tilecompile::reload`` (tilecompile/ops/offload.py) into the compiled forward and backward graphs.
+
+The memory plan (passes/memory_plan.py) tags, in the Dynamo graph, the node that makes a checkpointed layer's input
+(``node.meta["custom"][TAG]``: the layer's name). AOTAutograd copies a node's ``custom`` meta to every node it
+traces from it, and its partitioner's forward and backward graphs keep it; so after the partition (the inner
+compiler's own: Inductor's min-cut, or the default one for ``aot_eager``), the tensors the forward saves for the
+backward that carry the tag are the layers' inputs. Each one that is a computed, contiguous tensor (not a graph
+input, not a view, not also a user output) is then:
+
+- in the forward: copied to the host after its last use there (``offload``), the host copy saved in its place;
+  each offload holds the previous one's input until its own call, the last waits for its copy (see the ops);
+- in the backward: brought back before its first use (``reload``), which prefetches the next one the backward will
+  reload (the placeholders' order of first use).
+
+``partition(base)`` wraps a partition function for ``aot_autograd``; ``InductorPartitioner`` is the same for
+Inductor's ``custom_partitioner_fn``. ``offloaded()`` tells the backend what the last partitions offloaded, by layer, so the
+report says only what happened.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+
+from tilecompile.ops import offload as _ops  # noqa: F401 - registers tilecompile::offload and tilecompile::reload
+
+TAG = "tilecompile_offload"  # node.meta["custom"] key: the checkpointed layer whose input the node makes
+TAG_INDEX = "tilecompile_offload_index"  # which output of the node (a call's getitem), or None: the node itself
+
+_done: dict[str, int] = {}  # layer -> host bytes (at the sizes' hints), of the partitions since the last take
+
+
+def tag(node: fx.Node, layer: str, index: int | None = None) -> None:
+    """Marks ``node`` as making ``layer``'s input; ``index``: the input is output ``index`` of the call ``node``
+    (the getitems AOTAutograd makes of a layer region's call carry the call's meta, its saved tensors' too)."""
+    node.meta["custom"] = {**(node.meta.get("custom") or {}), TAG: layer, TAG_INDEX: index}
+
+
+def tagged(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """The layers whose input ``gm`` tags, and the tagged nodes."""
+    return {n.meta["custom"][TAG]: n for n in gm.graph.nodes if TAG in (n.meta.get("custom") or {})}
+
+
+def untag(gm: fx.GraphModule) -> None:
+    for n in gm.graph.nodes:
+        if TAG in (n.meta.get("custom") or {}):
+            n.meta["custom"] = {k: v for k, v in n.meta["custom"].items() if k not in (TAG, TAG_INDEX)}
+
+
+def take_offloaded() -> dict[str, int]:
+    """The layers the partitions since the last call offloaded, with their host bytes; forgets them."""
+    done = dict(_done)
+    _done.clear()
+    return done
+
+
+def _is_view(n: fx.Node) -> bool:
+    return isinstance(n.target, torch._ops.OpOverload) and bool(getattr(n.target, "is_view", False))
+
+
+def _last_uses(n: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``n`` in its graph, through views of it (a view keeps its base alive)."""
+    found: list[fx.Node] = []
+    for user in n.users:
+        if user.op == "output":
+            continue
+        found.append(user)
+        if _is_view(user):
+            found.extend(_last_uses(user))
+    return found
+
+
+def _hint_bytes(value: torch.Tensor) -> int:
+    from tilecompile import graph as fxgraph
+
+    numel = 1
+    for d in value.shape:
+        numel *= d if isinstance(d, int) else (fxgraph.hint(d) or 0)
+    return numel * value.element_size()
+
+
+def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> dict[str, int]:
+    """Offloads the tagged tensors ``fw`` saves for ``bw``; returns the layers done with their bytes."""
+    output = fw.graph.find_nodes(op="output")[0]
+    outputs = list(output.args[0])
+    users_see = {n for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    placeholders = {p.name: p for p in bw.graph.find_nodes(op="placeholder")}
+    chosen: list[fx.Node] = []
+    for n in dict.fromkeys(outputs[num_fwd_outputs:]):
+        if not isinstance(n, fx.Node) or TAG not in (n.meta.get("custom") or {}):
+            continue
+        index = n.meta["custom"].get(TAG_INDEX)
+        if index is not None and not (n.target is operator.getitem and n.args[1] == index):
+            continue  # another output of the tagged call: what the region saves for itself, not the layer's input
+        value = n.meta.get("val")
+        if (
+            n in users_see
+            or n.op == "placeholder"
+            or _is_view(n)
+            or not isinstance(value, torch.Tensor)
+            or not value.is_contiguous()
+            or n.name not in placeholders
+        ):
+            continue
+        chosen.append(n)
+    if not chosen:
+        return {}
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    points = sorted(((max((order[u] for u in _last_uses(n)), default=order[n]), n) for n in chosen),
+                    key=lambda p: p[0])  # fmt: skip
+    hosts: dict[fx.Node, fx.Node] = {}
+    previous = None
+    nodes = list(fw.graph.nodes)
+    for i, (at, n) in enumerate(points):
+        with fw.graph.inserting_after(nodes[at] if at != order[n] else n):
+            host = fw.graph.call_function(torch.ops.tilecompile.offload.default, (n, previous, i == len(points) - 1))
+        host.meta.update(custom=n.meta.get("custom"), val=n.meta["val"].to("cpu"))
+        hosts[n] = host
+        previous = n
+    saved = [hosts.get(x, x) if isinstance(x, fx.Node) else x for x in outputs[num_fwd_outputs:]]
+    output.update_arg(0, tuple(outputs[:num_fwd_outputs] + saved))
+
+    border = {n: i for i, n in enumerate(bw.graph.nodes)}
+    firsts = []
+    for n in chosen:
+        p = placeholders[n.name]
+        if p.users:
+            firsts.append((min(border[u] for u in p.users), p, n))
+    firsts.sort(key=lambda f: f[0])
+    bnodes = list(bw.graph.nodes)
+    done: dict[str, int] = {}
+    reloads: set[fx.Node] = set()
+    for i, (at, p, n) in enumerate(firsts):
+        following = firsts[i + 1][1] if i + 1 < len(firsts) else None
+        value = p.meta["val"]
+        with bw.graph.inserting_before(bnodes[at]):
+            back = bw.graph.call_function(torch.ops.tilecompile.reload.default, (p, following, value.device))
+        back.meta["val"] = value
+        reloads.add(back)
+        p.replace_all_uses_with(back, delete_user_cb=lambda u: u not in reloads)  # a reload's `next` stays on the host
+        p.meta["val"] = value.to("cpu")
+        p.meta.pop("tensor_meta", None)  # the device's; nothing here needs it again
+        layer = n.meta["custom"][TAG]
+        done[layer] = done.get(layer, 0) + _hint_bytes(value)
+    for gm in (fw, bw):
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def partition(base: Callable[..., Any]) -> Callable[..., Any]:
+    """``base`` (a partition function of ``aot_autograd``), then the offload of the tagged saved tensors."""
+
+    @functools.wraps(base)
+    def partition_fn(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
+        fw, bw = base(joint, joint_inputs, **kwargs)
+        _done.update(apply(fw, bw, kwargs["num_fwd_outputs"]))
+        return fw, bw
+
+    return partition_fn
+
+
+class InductorPartitioner(CustomPartitionerFn):
+    """Inductor's ``custom_partitioner_fn``: its min-cut partition, then the offload (module level: Inductor's
+    caches pickle the config)."""
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        return partition(min_cut_rematerialization_partition)(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> Any:
+        here = pathlib.Path(__file__)
+        return get_hash_for_files((str(here), str(here.parent / "ops" / "offload.py")))
