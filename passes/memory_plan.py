@@ -25,8 +25,13 @@ whole (node meta ``KEPT``). Under dynamic shapes the sizes are symbolic: the pla
 and guarded (``total <= room``), so a longer sequence that would not fit recompiles and is planned again. Without
 checkpointing, the whole graph's ``computed`` is weighed against the room: where it fits, the MLPs stay untiled.
 
-Where the checkpointed inputs alone exceed the room, every layer stays checkpointed and the report says by how much;
-offloading them to host memory is not built yet. Where the user's code already offloads (saved-tensors hooks), the
+Where the checkpointed inputs alone exceed the room, every layer stays checkpointed and, with ``offload`` auto, the
+inputs of as few layers as make the rest fit go to pinned host memory, from the first layer on (the last the
+backward reaches), within the host budget (``host_budget``: auto is HOST_FRACTION of the host's available memory).
+``offload`` all sends every layer's input to the host and keeps none; off (the default, until it is measured at
+length on a GPU) sends none. The offload itself is a partition step of the inner compile (tilecompile/offload.py):
+here the nodes that make those inputs are tagged, and the report's offload lines that the partition did not carry
+out are turned into skips by the backend. Where the user's code already offloads (saved-tensors hooks), the
 backend sees the hooks on the stack when it compiles: the plan then leaves the layers checkpointed and says so.
 """
 
@@ -269,9 +274,10 @@ def offload_sources(gm: fx.GraphModule, layer: Layer, sites: list[fx.Node]) -> l
     if not layer.inputs:
         return "it has no checkpointed input of its own"
     found = []
-    for a in layer.inputs:
-        if a.op == "placeholder":
-            return "its input is an input of the compiled graph (held by the caller anyway: offloading frees nothing)"
+    computed = [a for a in layer.inputs if a.op != "placeholder"]  # the graph's inputs are held by the caller anyway
+    if not computed:
+        return "its input is an input of the compiled graph (held by the caller anyway: offloading frees nothing)"
+    for a in computed:
         if a.op == "call_function" and a.target is operator.getitem and a.args[0] in sites:
             site, index = a.args[0], a.args[1]
             body = _own_body(gm, site, sites)

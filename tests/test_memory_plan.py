@@ -100,7 +100,7 @@ def _saved_bytes(fn, *args):
     return out, total[0]
 
 
-def _run(room, ids, monkeypatch, dynamic=None, model=None, budget=None):
+def _run(room, ids, monkeypatch, dynamic=None, model=None, budget=None, **options):
     """Compile the step with a budget whose room is ``room`` bytes (a function of the layers, or None: no budget);
     returns (loss, grads, saved bytes, report) and checks loss and grads against eager."""
     tilecompile.reset()
@@ -110,7 +110,7 @@ def _run(room, ids, monkeypatch, dynamic=None, model=None, budget=None):
     if room is not None:
         monkeypatch.setattr(memory_plan, "room_for", lambda *args: (room, "budget set by the test"))
     budget = budget if budget is not None else 1.0 if room is not None else 0.0
-    options = compile_options(inner="aot_eager", memory_budget=budget, mlp_min_tokens=0)
+    options = compile_options(inner="aot_eager", memory_budget=budget, mlp_min_tokens=0, **options)
     f = torch.compile(_step, backend="tilecompile", options=options, dynamic=dynamic)
     f(model, ids)  # compiled outside the counting hooks: under the user's hooks the plan would leave the step alone
     loss, saved = _saved_bytes(f, model, ids)
@@ -174,9 +174,10 @@ def test_every_choice_matches_eager_and_keeping_saves_more(monkeypatch):
     assert all("past the room" in s.reason for s in left)
     assert saved_none < saved_one < saved_all
 
-    _, rep = _run(base - 1, ids, monkeypatch)  # not even the checkpointed inputs fit
+    _, rep = _run(base - 1, ids, monkeypatch)  # not even the checkpointed inputs fit; offload is off by default
     left = [s for s in rep.skipped if s.pass_name == "memory_plan"]
-    assert len(left) == 3 and all("offloading them to host memory is not built yet" in s.reason for s in left)
+    assert len(left) == 3 and all("already exceed the room" in s.reason for s in left)
+    assert all("offload is off (TILECOMPILE_OFFLOAD=off)" in s.reason for s in left)  # tests/test_offload.py: on
 
 
 def test_a_longer_sequence_that_no_longer_fits_is_planned_again(monkeypatch):

@@ -214,7 +214,9 @@ def inner_compile(
         patches = {**dynamic_workarounds(example_inputs, options), **patches}
         if offloads:
             patches["custom_partitioner_fn"] = offload.InductorPartitioner()
-        with _tagged_caches():
+        # AOTAutograd's cache would skip the partition step and with it the report of what it offloaded
+        no_cache = torch._functorch.config.patch(enable_autograd_cache=False) if offloads else contextlib.nullcontext()
+        with _tagged_caches(), no_cache:
             return compile_fx(gm, example_inputs, config_patches=patches)
     if patches:
         log.warning("inner compiler is %s: Inductor options %s are ignored", inner, sorted(patches))

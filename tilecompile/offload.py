@@ -14,8 +14,8 @@ input, not a view, not also a user output) is then:
   reload (the placeholders' order of first use).
 
 ``partition(base)`` wraps a partition function for ``aot_autograd``; ``InductorPartitioner`` is the same for
-Inductor's ``custom_partitioner_fn``. ``offloaded()`` tells the backend what the last partitions offloaded, by layer, so the
-report says only what happened.
+Inductor's ``custom_partitioner_fn``. ``take_offloaded()`` tells the backend what the last partitions offloaded, by
+layer, so the report says only what happened.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
 from tilecompile.ops import offload as _ops  # noqa: F401 - registers tilecompile::offload and tilecompile::reload

@@ -1,0 +1,172 @@
+"""Checkpointed inputs offloaded to host memory (the memory plan's offload, tilecompile/offload.py and its ops).
+
+On a CPU the ops are plain copies, so these tests check what does not depend on the device: the ops' schemas and
+fakes, which layers the plan sends to the host for a given room and host budget, that the compiled forward saves
+the offload's output in place of the layer's input and the backward reloads it (the partition's own count, by
+layer and bytes), the report's reasons, and values and gradients equal to eager's (float64) through aot_eager,
+Inductor and dynamic shapes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_close, compile_options
+
+import tilecompile
+from tilecompile import offload
+from tilecompile.passes import memory_plan
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    tilecompile.reset()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_the_ops_schemas_and_fakes():
+    x = torch.randn(4, 6, dtype=torch.float64)
+    host = torch.ops.tilecompile.offload(x, None, True)
+    assert host.device.type == "cpu" and torch.equal(host, x) and host.data_ptr() != x.data_ptr()
+    back = torch.ops.tilecompile.reload(host, None, torch.device("cpu"))
+    assert torch.equal(back, x) and back.data_ptr() != host.data_ptr()
+    torch.library.opcheck(torch.ops.tilecompile.offload.default, (x, x.clone(), False))
+    torch.library.opcheck(torch.ops.tilecompile.reload.default, (host, host.clone(), torch.device("cpu")))
+
+
+def _model(layers=3):
+    cfg = transformers.Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).double()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.train()
+
+
+def _step(model, ids):
+    logits = model(input_ids=ids).logits[:, :-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return -logp.mean()
+
+
+def _run(monkeypatch, ids_list, room=None, dynamic=None, **options):
+    """Compiles the step with ``options`` (and a room of ``room`` bytes); for each ids: loss and grads against eager.
+    Returns (the partitions' offloads: layer -> bytes, the last report)."""
+    if room is not None:
+        monkeypatch.setattr(memory_plan, "room_for", lambda *args: (room, "budget set by the test"))
+    done: dict[str, int] = {}
+    real = offload.apply
+
+    def spy(fw, bw, num_fwd_outputs):
+        result = real(fw, bw, num_fwd_outputs)
+        assert sum(n.target is torch.ops.tilecompile.offload.default for n in fw.graph.nodes) == len(result)
+        assert sum(n.target is torch.ops.tilecompile.reload.default for n in bw.graph.nodes) == len(result)
+        done.update(result)
+        return result
+
+    monkeypatch.setattr(offload, "apply", spy)
+    model = _model()
+    reference = copy.deepcopy(model)
+    opts = compile_options(memory_budget=1.0, layer_regions=True, **options)
+    f = torch.compile(_step, backend="tilecompile", options=opts, dynamic=dynamic)
+    for ids in ids_list:
+        tilecompile.reset()
+        loss = f(model, ids)
+        loss.backward()
+        expected = _step(reference, ids)
+        expected.backward()
+        # Inductor's CPU code reassociates float64 sums: about 1e-9 off eager in the loss and 3e-8 in the grads,
+        # with or without the offload
+        rtol, atol = (1e-6, 1e-7) if opts["inner"] == "inductor" else (1e-10, 1e-12)
+        assert_close(loss, expected, rtol=rtol, atol=atol, name="loss")
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.grad, r.grad, rtol=10 * rtol, atol=10 * atol, name=name)
+    return done, tilecompile.report()
+
+
+def _ids(seed, n=9):
+    return torch.randint(0, 97, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _mine(report):
+    rewrites = {r.module_path: r.detail for r in report.rewrites if r.pass_name == "memory_plan"}
+    skips = {s.module_path: s.reason for s in report.skipped if s.pass_name == "memory_plan"}
+    return rewrites, skips
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_offload_all_sends_every_layers_input_to_the_host(monkeypatch, inner):
+    done, rep = _run(monkeypatch, [_ids(1)], offload="all", inner=inner)
+    layer_bytes = 2 * 9 * 32 * 8  # [2, 9, 32] float64: the hidden state entering each layer
+    assert done == {f"model.layers.{i}": layer_bytes for i in range(3)}
+    rewrites, skips = _mine(rep)
+    assert sorted(rewrites) == [f"model.layers.{i}" for i in range(3)] and not skips
+    assert all("offloaded to host memory" in d and "3 of 3 layers offloaded" in d for d in rewrites.values())
+    regions = [s.reason for s in rep.skipped if s.pass_name == "layer_regions"]
+    assert len(regions) == 3 and all("offloads checkpointed inputs" in r for r in regions)
+
+
+def test_auto_offloads_from_the_first_layer_only_what_the_room_needs(monkeypatch):
+    ids = _ids(2)
+    layer_bytes = 2 * 9 * 32 * 8
+    seen = {}
+    real = memory_plan.choose_offload
+
+    def spy(layers, plan, room, host, every, can):
+        seen["base"] = memory_plan._hint(plan.saved + plan.reserve)
+        return real(layers, plan, room, host, every, can)
+
+    monkeypatch.setattr(memory_plan, "choose_offload", spy)
+    reserve_and_all = None
+    # a room that the checkpointed inputs and one recompute exceed by a little more than one layer's input
+    monkeypatch.setattr(memory_plan, "room_for", lambda *args: (0, "probe"))
+    _run(monkeypatch, [ids], offload="auto", host_budget=1e-12)  # host budget of ~0: nothing offloaded, sizes seen
+    reserve_and_all = seen["base"]
+    tilecompile.reset()
+    torch._dynamo.reset()
+    done, rep = _run(monkeypatch, [ids], room=reserve_and_all - layer_bytes - 1, offload="auto")
+    assert done == {"model.layers.0": layer_bytes, "model.layers.1": layer_bytes}
+    rewrites, skips = _mine(rep)
+    assert sorted(rewrites) == ["model.layers.0", "model.layers.1"]
+    assert "with the inputs of 2 earlier layers on the host" in skips["model.layers.2"]
+
+
+def test_the_host_budget_and_offload_off_are_honoured_and_said(monkeypatch):
+    ids = _ids(3)
+    layer_bytes = 2 * 9 * 32 * 8
+    done, rep = _run(monkeypatch, [ids], room=0, offload="auto", host_budget=1.5 * layer_bytes / 2**30)
+    assert done == {"model.layers.0": layer_bytes}  # the host holds one layer's input
+    rewrites, skips = _mine(rep)
+    assert sorted(rewrites) == ["model.layers.0"]
+    assert all("holds no more than the 1 earlier layers' inputs" in skips[f"model.layers.{i}"] for i in (1, 2))
+    tilecompile.reset()
+    torch._dynamo.reset()
+    done, rep = _run(monkeypatch, [ids], room=0)  # the default: off
+    rewrites, skips = _mine(rep)
+    assert not done and not rewrites and all("offload is off" in r for r in skips.values())
+
+
+def test_dynamic_lengths_offload_at_every_length(monkeypatch):
+    done, rep = _run(monkeypatch, [_ids(4, 9), _ids(5, 17), _ids(6, 33)], offload="all", dynamic=True)
+    assert sorted(done) == [f"model.layers.{i}" for i in range(3)]
+    assert rep.counts.get("memory_plan", 0) in (0, 3)  # compiled once: later calls add no rewrite
+    assert not [s for s in rep.skipped if s.pass_name == "memory_plan"]
+
+
+def test_eager_inner_compiler_has_no_partition_and_the_report_says_so(monkeypatch):
+    ids = _ids(7)
+    monkeypatch.setattr(memory_plan, "room_for", lambda *args: (0, "budget set by the test"))
+    model = _model()
+    opts = compile_options(memory_budget=1.0, offload="all", inner="eager")
+    torch.compile(_step, backend="tilecompile", options=opts)(model, ids).backward()
+    rewrites, skips = _mine(tilecompile.report())
+    assert not rewrites and len(skips) == 3
+    assert all("has no partition step" in r for r in skips.values())
