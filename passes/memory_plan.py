@@ -268,9 +268,9 @@ def host_room(setting: float | None) -> tuple[int, str]:
 
 def offload_sources(gm: fx.GraphModule, layer: Layer, sites: list[fx.Node]) -> list[tuple[fx.Node, Any]] | str:
     """The nodes that make ``layer``'s checkpointed inputs (with the output index where the node is a call), or why
-    it cannot be offloaded. An input that is an output
-    of an earlier checkpointed call is made inside that call's body: both the call (AOTAutograd's getitems of a
-    layer region take its meta) and the body's node (a checkpoint body is traced node by node) are returned."""
+    it cannot be offloaded. An input that is an output of an earlier checkpointed call is made inside that call's
+    body: both the call (its getitems carry its meta) and the body's node (AOTAutograd traces a checkpoint body node
+    by node, each under its own meta) are returned."""
     if not layer.inputs:
         return "it has no checkpointed input of its own"
     found = []
@@ -312,6 +312,11 @@ def _copied_graph(body: fx.GraphModule) -> fx.Graph:
     return graph
 
 
+def host_bytes(layer: Layer) -> Any:
+    """What offloading ``layer`` moves: its computed checkpointed inputs (not the graph's own inputs)."""
+    return sum((_bytes(fxgraph.example_value(a)) for a in layer.inputs if a.op != "placeholder"), 0)
+
+
 def choose_offload(layers: list[Layer], plan: Plan, room: int, host: int, every: bool, can: list[int]) -> list[int]:
     """The layers whose checkpointed inputs go to the host, from the first (the last the backward reaches: the most
     time to bring them back): every one that can under ``every``, else as few as make the checkpointed inputs and one
@@ -320,11 +325,12 @@ def choose_offload(layers: list[Layer], plan: Plan, room: int, host: int, every:
     for i in can:
         if not every and _hint(on_device) <= room:
             break
-        if on_host + _hint(layers[i].saved) > host:
+        moved = host_bytes(layers[i])
+        if on_host + _hint(moved) > host:
             break
         chosen.append(i)
-        on_device = on_device - layers[i].saved
-        on_host += _hint(layers[i].saved)
+        on_device = on_device - moved
+        on_host += _hint(moved)
     return chosen
 
 
@@ -431,10 +437,10 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         sources = {i: offload_sources(gm, layer, sites) for i, layer in enumerate(layers)}
         can = [i for i, found in sources.items() if not isinstance(found, str)]
         offloaded = choose_offload(layers, plan, room, host, every, can)
-        left = plan.saved + plan.reserve - sum((layers[i].saved for i in offloaded), 0)
+        left = plan.saved + plan.reserve - sum((host_bytes(layers[i]) for i in offloaded), 0)
         if offloaded and not every and not isinstance(left, int):
             bool(left <= room)  # a length the offload no longer covers re-plans
-    on_host = sum((_hint(layers[i].saved) for i in offloaded), 0)
+    on_host = sum((_hint(host_bytes(layers[i])) for i in offloaded), 0)
     for i, layer in enumerate(layers):
         if i in plan.keep or i in offloaded:
             continue
@@ -442,7 +448,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             reason = f"checkpointed: it cannot be kept whole ({layer.why_not})"
         elif offloaded and isinstance(sources.get(i), str):
             reason = f"checkpointed on the device: its input cannot go to the host ({sources[i]})"
-        elif offloaded and (every or on_host + _hint(layer.saved) > host):
+        elif offloaded and (every or on_host + _hint(host_bytes(layer)) > host):
             reason = (f"checkpointed on the device: the host budget ({gib(host)}; {host_words}) holds no more than "
                       f"the {len(offloaded)} earlier layers' inputs ({gib(on_host)})")  # fmt: skip
         elif offloaded:
@@ -474,9 +480,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         because = ("offload=all" if every else
                    f"the layers' checkpointed inputs ({gib(plan.saved)}) and one layer's recompute "
                    f"({gib(plan.reserve)}) exceed the room ({gib(room)}; {words})")  # fmt: skip
-        detail = (f"checkpointed, its input ({gib(layer.saved)}) offloaded to host memory from the forward to the "
-                  f"backward: {because}; {len(offloaded)} of {len(layers)} layers offloaded, {gib(on_host)} on the "
-                  f"host ({host_words})")  # fmt: skip
+        detail = (f"checkpointed, its input ({gib(host_bytes(layer))}) offloaded to host memory from the forward to "
+                  f"the backward: {because}; {len(offloaded)} of {len(layers)} layers offloaded, {gib(on_host)} on "
+                  f"the host ({host_words})")  # fmt: skip
         result.rewrote(layer.site, reporting.Rewrite(NAME, layer.where, detail=detail))
     if plan.keep:
         fxgraph.eliminate_dead_code(gm.graph)
