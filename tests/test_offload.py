@@ -170,3 +170,31 @@ def test_eager_inner_compiler_has_no_partition_and_the_report_says_so(monkeypatc
     rewrites, skips = _mine(tilecompile.report())
     assert not rewrites and len(skips) == 3
     assert all("has no partition step" in r for r in skips.values())
+
+
+def test_choose_offload_for_given_rooms_and_host_budgets_static_and_symbolic():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    def layers(size):
+        return [memory_plan.Layer(site=None, where=f"layers.{i}", saved=size, kept=size) for i in range(4)]
+
+    plan = memory_plan.Plan([], 0, 0, reserve=50, saved=4 * 10)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(memory_plan, "host_bytes", lambda layer: layer.saved)  # these layers have no graph nodes
+        ls = layers(10)
+        assert memory_plan.choose_offload(ls, plan, 90, 10**9, False, [0, 1, 2, 3]) == []  # fits: nothing moves
+        assert memory_plan.choose_offload(ls, plan, 89, 10**9, False, [0, 1, 2, 3]) == [0]
+        assert memory_plan.choose_offload(ls, plan, 70, 10**9, False, [0, 1, 2, 3]) == [0, 1]
+        assert memory_plan.choose_offload(ls, plan, 0, 10**9, False, [0, 1, 2, 3]) == [0, 1, 2, 3]  # all, still over
+        assert memory_plan.choose_offload(ls, plan, 0, 25, False, [0, 1, 2, 3]) == [0, 1]  # the host holds two
+        assert memory_plan.choose_offload(ls, plan, 0, 10**9, False, [1, 3]) == [1, 3]  # the ones that can
+        assert memory_plan.choose_offload(ls, plan, 10**9, 10**9, True, [0, 1, 2, 3]) == [0, 1, 2, 3]  # all
+
+        env = ShapeEnv()
+        n = env.create_symintnode(env.create_symbol(64, source=ConstantSource("n"), dynamic_dim=DimDynamic.DYNAMIC),
+                                  hint=64)  # fmt: skip
+        ls = layers(n * 8)
+        plan = memory_plan.Plan([], 0, 0, reserve=n * 80, saved=n * 32)
+        # at n = 64: 112 * 64 bytes against a room of 100 * 64: two layers' inputs (16 * 64) must go
+        assert memory_plan.choose_offload(ls, plan, 100 * 64, 10**9, False, [0, 1, 2, 3]) == [0, 1]
