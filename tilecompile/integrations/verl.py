@@ -1,4 +1,6 @@
-"""Compiles what verl's FSDP engine runs for a micro-batch (``FSDPEngineWithLMHead.forward_step``, verl 0.9.x): the
+"""verl 0.9.x: ``compile_engine``; verl 0.7.x: ``compile_actor`` (``DataParallelPPOActor``, at the end of the file).
+
+Compiles what verl's FSDP engine runs for a micro-batch (``FSDPEngineWithLMHead.forward_step``, verl 0.9.x): the
 model forward with the per-token log-prob / entropy math after its lm_head, so that the lm_head is fused (its [N, V]
 logits never built), the MLPs tiled and the attention masks rewritten::
 
@@ -346,4 +348,115 @@ def _mark_dynamic(model_inputs: dict, labels: torch.Tensor, temperature) -> None
                 torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
-__all__ = ["IntegrationError", "compile_engine"]
+# ------------------------------------------------------------------ verl 0.7.x: the actor
+
+
+def compile_actor(actor: Any, *, backend: Any = "tilecompile", options: dict | None = None) -> Any:
+    """Compile ``actor``'s micro-batch forward (verl 0.7.x ``DataParallelPPOActor``, the actor or the reference
+    policy; its module a Hugging Face causal LM, plain or under FSDP2) with tilecompile: one call before training.
+    Returns the actor.
+
+    ``_forward_micro_batch`` is replaced by a step that runs verl's own unpadding (remove-padding: ``unpad_input``
+    and the rolled ids; padded: the ids rolled by one) eagerly, calls the model with its per-token log-prob and entropy
+    math compiled in the lm_head's graph (as ``compile_engine``: fused there, never building the logits), with the
+    token dimension dynamic (one compile for every micro-batch length; verl's own ``logprobs_from_logits_v2`` loops
+    over the packed rows, which put their count into the graph and recompiled per batch), and pads the values back
+    as verl does. verl's policy loss stays outside, as in ``update_policy``.
+
+    Refused (``IntegrationError``): ``use_fused_kernels``, Ulysses sequence parallelism, FSDP1 (``strategy='fsdp'``:
+    use ``fsdp2``). Micro-batches with multi-modal inputs, 3-D position ids, ``calculate_sum_pi_squared``, the prefix
+    grouper, or an all-padding mask run verl's own ``_forward_micro_batch``, with a warning naming why."""
+    names = [c.__name__ for c in type(actor).__mro__]
+    if "DataParallelPPOActor" not in names:
+        raise IntegrationError(
+            f"compile_actor: needs verl's DataParallelPPOActor (verl 0.7.x); got {type(actor).__name__}"
+        )
+    if getattr(actor, _ATTR, None) is not None:
+        raise IntegrationError("compile_actor: this actor is already compiled by tilecompile")
+    module = actor.actor_module
+    why = None
+    if getattr(actor, "use_fused_kernels", False):
+        why = (
+            "use_fused_kernels=True: verl's own fused lm_head kernel returns the log-probs from inside the "
+            "model, where the lm_head pass cannot read them; set actor_rollout_ref.model.use_fused_kernels=False"
+        )
+    elif getattr(actor, "use_ulysses_sp", False):
+        why = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+    elif isinstance(module, torch.distributed.fsdp.FullyShardedDataParallel):
+        why = "FSDP1 (strategy='fsdp') is not supported; use strategy='fsdp2'"
+    if why is not None:
+        raise IntegrationError(f"compile_actor: {why}")
+    try:
+        _install_head_forward(module)
+    except IntegrationError as exc:
+        raise IntegrationError(str(exc).replace("compile_engine", "compile_actor")) from None
+    compiled = torch.compile(_per_token, backend=backend, options=options, dynamic=True)
+    for layer in getattr(module.get_decoder(), "layers", ()):  # as compile_engine: FSDP2's breaks at each layer
+        layer.compile(backend=backend, options=options, dynamic=True)
+    original = actor._forward_micro_batch
+    warned: set[str] = set()
+
+    def forward_micro_batch(micro_batch, temperature, calculate_entropy=False):
+        why = _actor_unsupported(actor, micro_batch)
+        if why is not None:
+            if why not in warned:
+                warned.add(why)
+                log.warning("tilecompile: verl's _forward_micro_batch runs uncompiled, as verl wrote it: %s", why)
+            return original(micro_batch, temperature=temperature, calculate_entropy=calculate_entropy)
+        return _actor_step(actor, compiled, micro_batch, temperature, calculate_entropy)
+
+    actor._forward_micro_batch = forward_micro_batch
+    setattr(actor, _ATTR, compiled)
+    return actor
+
+
+def _actor_unsupported(actor: Any, micro_batch: dict) -> str | None:
+    if "multi_modal_inputs" in micro_batch:
+        return "multi-modal inputs"
+    if micro_batch["position_ids"].dim() == 3:
+        return "3-D (mrope) position ids"
+    if actor.config.get("calculate_sum_pi_squared", False):
+        return "calculate_sum_pi_squared (needs the full softmax, which the fused op does not build)"
+    if getattr(actor, "use_prefix_grouper", False) and "uid" in micro_batch:
+        return "the prefix grouper"
+    if actor.use_remove_padding and not bool(micro_batch["attention_mask"].any()):
+        return "an all-padding micro-batch"
+    return None
+
+
+def _actor_step(actor: Any, compiled, micro_batch: dict, temperature, calculate_entropy: bool) -> dict:
+    """verl 0.7's ``_forward_micro_batch`` (remove-padding or padded, no sequence parallelism) with the model and
+    its per-token math compiled; returns verl's ``{"log_probs", "entropys"}``, each (batch, response length)."""
+    response_length = micro_batch["responses"].size(-1)
+    input_ids = micro_batch["input_ids"]
+    attention_mask = micro_batch["attention_mask"]
+    position_ids = micro_batch["position_ids"]
+    batch_size, seqlen = input_ids.shape
+    dtype = actor.param_dtype
+    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type=actor.device_name, dtype=dtype)
+    with autocast:
+        if actor.use_remove_padding:  # flash-attn's unpad_input (verl's), in torch: it needs no flash-attn
+            indices = attention_mask.flatten().nonzero().squeeze(-1)  # a host sync, as in verl's own
+            ids = input_ids.flatten()[indices].unsqueeze(0)  # (1, nnz)
+            positions = position_ids.flatten()[indices].unsqueeze(0)
+            model_inputs = {"input_ids": ids, "attention_mask": None, "position_ids": positions}
+            labels = torch.roll(ids, shifts=-1, dims=1)
+        else:
+            model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            labels = torch.roll(input_ids, shifts=-1, dims=1)  # position t scores token t + 1, as verl's slice
+        _mark_dynamic({k: v for k, v in model_inputs.items() if v is not None}, labels, temperature)
+        log_probs, entropy = compiled(actor.actor_module, model_inputs, labels, float(temperature), calculate_entropy)
+
+        def response_part(values: torch.Tensor) -> torch.Tensor:
+            if actor.use_remove_padding:  # pad_input: zeros at the padding
+                flat = values.new_zeros(batch_size * seqlen).index_copy(0, indices, values.squeeze(0))
+                values = flat.view(batch_size, seqlen)
+            return values[:, -response_length - 1 : -1]
+
+        outputs = {"log_probs": response_part(log_probs)}
+        if calculate_entropy:
+            outputs["entropys"] = response_part(entropy)
+    return outputs
+
+
+__all__ = ["IntegrationError", "compile_actor", "compile_engine"]
