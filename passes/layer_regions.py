@@ -61,11 +61,6 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if ctx.graph_name != "<root>":  # the backend's undo restores the root graph only
         _skip(result, gm, sites, "inside another higher-order op's body: regions are made in the root graph only")
         return result
-    if offload.tagged(gm):  # AOTAutograd's getitems of a region's call carry its own meta, not the plan's tags
-        reason = ("the memory plan offloads checkpointed inputs to host memory: the partition finds them in the "
-                  "flat graph only")  # fmt: skip
-        _skip(result, gm, sites, reason)
-        return result
     subclass = _subclass_input(gm)
     if subclass:  # AOTAutograd traces such a graph through the subclass, which invoke_subgraph has no rule for
         reason = f"the graph takes a tensor subclass ({subclass}): AOTAutograd cannot trace a region through it"
@@ -74,6 +69,12 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     groups: dict[str, list[fx.Node]] = {}
     for site in sites:
         key, reason = _key(gm, site)
+        if offload.TAG in (site.meta.get("custom") or {}) or site.meta.get(offload.LAYER):
+            # a region saves its operands again as outputs of its own (which carry its meta, not the plan's tag), and
+            # the getitems of a region's call carry the region's meta: the partition finds an offloaded input, and
+            # the tensor that makes it, outside regions only
+            reason = ("the memory plan offloads this layer's input or the input this call makes to host memory: the "
+                      "partition finds those outside a region only")  # fmt: skip
         if reason:
             _skip(result, gm, [site], reason)
         else:

@@ -477,6 +477,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         layer = layers[i]
         for node, index in sources[i]:
             offload.tag(node, layer.where, index)
+        layer.site.meta[offload.LAYER] = True
         because = ("offload=all" if every else
                    f"the layers' checkpointed inputs ({gib(plan.saved)}) and one layer's recompute "
                    f"({gib(plan.reserve)}) exceed the room ({gib(room)}; {words})")  # fmt: skip

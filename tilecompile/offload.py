@@ -33,6 +33,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from tilecompile.ops import offload as _ops  # noqa: F401 - registers tilecompile::offload and tilecompile::reload
 
 TAG = "tilecompile_offload"  # node.meta["custom"] key: the checkpointed layer whose input the node makes
+LAYER = "tilecompile_offloaded_layer"  # node.meta key: a checkpoint call whose input goes to the host (not a region)
 TAG_INDEX = "tilecompile_offload_index"  # which output of the node (a call's getitem), or None: the node itself
 
 _done: dict[str, int] = {}  # layer -> host bytes (at the sizes' hints), of the partitions since the last take
