@@ -98,11 +98,20 @@ SEARCH_STEP = 4096  # --search's lengths are multiples of this
 FIELDS = [
     "model", "family", "tiny", "dtype", "layers", "full_layers", "method", "checkpointing", "dynamic", "packed",
     "rows", "mask", "env",
-    "seq_len", "ok", "error", "tok_s", "step_s", "tflops", "mfu", "peak_gib", "first_step_s", "compile_s", "graphs",
+    "seq_len", "ok", "error", "tok_s", "step_s", "tflops", "mfu", "peak_gib", "host_gib", "first_step_s", "compile_s",
+    "graphs",
     "compiles_total", "rewrites", "host_syncs", "loss", "model_flops", "real_tokens", "repeats", "note",
     "device", "torch", "triton", "transformers", "liger", "date", "commit",
 ]  # fmt: skip
 ROW, TRY = "ROW ", "TRY "  # a worker's lines: a result, the row it runs next (its fields before the step's)
+
+
+def _host_peak_gib() -> float | str:
+    """Peak pinned host memory in use over the timed steps (the offloaded checkpoints), from PyTorch's caching host
+    allocator; empty where this torch lacks its statistics."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    value = stats().get("active_bytes.peak") if stats is not None else None
+    return "" if value is None else round(value / 2**30, 3)
 
 
 def write_rows(path: str, rows: list[dict], fields: list[str], append: bool = False) -> pathlib.Path:
@@ -382,6 +391,8 @@ def worker(cfg: dict) -> None:
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
+                if hasattr(torch.cuda, "reset_peak_host_memory_stats"):  # pinned host memory: offloaded checkpoints
+                    torch.cuda.reset_peak_host_memory_stats()
             times, loss = [], 0.0
             syncs = _host_syncs()
             for _ in range(cfg["repeats"]):
@@ -396,7 +407,8 @@ def worker(cfg: dict) -> None:
                        compile_s=round(first - median, 2), graphs=graphs, compiles_total=total, loss=loss,
                        host_syncs=syncs,
                        rewrites=" ".join(f"{k}={v}" for k, v in report.counts.items() if v) if report.graphs else "",
-                       peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else "")  # fmt: skip
+                       peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else "",
+                       host_gib=_host_peak_gib() if cuda else "")  # fmt: skip
         except Exception as exc:  # an OOM ends the doubling (next_length: then the search)
             row.update(ok=0, error="OOM" if _is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:300]}")
         errors[n] = row.get("error", "")
