@@ -10,8 +10,8 @@ Two hazards and what answers them:
   reads it: ``x.record_stream(side)`` holds the block until the side stream's work is done;
 - Inductor reuses a dead buffer of its own for a later kernel's output, outside the allocator: the graph passes the
   previous offload's input as ``previous``, which keeps that buffer alive (in Inductor's eyes) until this call, and
-  here the compute stream waits for that copy before going on. The last offload of a graph has ``wait`` set: the
-  compute stream waits for its copy at once (one layer's copy on the compute stream's path per step).
+  here the compute stream waits for every earlier copy before going on. The last offload of a graph has ``wait``
+  set: the compute stream waits for its copy at once (one layer's copy on the compute stream's path per step).
 
 ``tilecompile::reload(host, next, device) -> x``: ``host`` back on ``device``. When a previous reload prefetched it
 (it was that call's ``next``), the compute stream only waits for that copy; otherwise the copy is made now, on
@@ -35,7 +35,7 @@ import torch
 from tilecompile.ops import define_op
 
 _side: dict[torch.device, Any] = {}  # a side stream per CUDA device
-_copies: dict[int, Any] = {}  # device data_ptr of an offloaded tensor -> the event its host copy completes
+_pending: list[Any] = []  # the events of host copies the compute stream has not waited for yet
 _prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}  # host data_ptr -> (host, device copy, event)
 
 
@@ -51,10 +51,9 @@ def _offload(x: torch.Tensor, previous: torch.Tensor | None, wait: bool) -> torc
     compute = torch.cuda.current_stream(x.device)
     if previous is None:  # the forward's first offload: what an aborted step left behind is dropped
         _prefetched.clear()
-    else:
-        done = _copies.pop(previous.data_ptr(), None)
-        if done is not None:
-            compute.wait_event(done)
+    for done in _pending:  # the earlier copies (``previous``'s): issued a layer ago, done by now as a rule
+        compute.wait_event(done)
+    _pending.clear()
     side = _side_stream(x.device)
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     side.wait_stream(compute)  # x is made on the compute stream
@@ -66,7 +65,7 @@ def _offload(x: torch.Tensor, previous: torch.Tensor | None, wait: bool) -> torc
     if wait:
         compute.wait_event(done)
     else:
-        _copies[x.data_ptr()] = done
+        _pending.append(done)
     return host
 
 
