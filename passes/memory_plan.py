@@ -263,14 +263,19 @@ def host_room(setting: float | None) -> tuple[int, str]:
         available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         pass
-    return int(HOST_FRACTION * available), f"{HOST_FRACTION:g} of the host's {gib(available)} available"
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))  # the ranks on this host share it
+    share = f", shared by {ranks} local ranks" if ranks > 1 else ""
+    return int(HOST_FRACTION * available / ranks), f"{HOST_FRACTION:g} of the host's {gib(available)} available{share}"
 
 
-def offload_sources(gm: fx.GraphModule, layer: Layer, sites: list[fx.Node]) -> list[tuple[fx.Node, Any]] | str:
+def offload_sources(
+    gm: fx.GraphModule, layer: Layer, sites: list[fx.Node], own: bool = False
+) -> list[tuple[fx.Node, Any]] | str:
     """The nodes that make ``layer``'s checkpointed inputs (with the output index where the node is a call), or why
     it cannot be offloaded. An input that is an output of an earlier checkpointed call is made inside that call's
     body: both the call (its getitems carry its meta) and the body's node (AOTAutograd traces a checkpoint body node
-    by node, each under its own meta) are returned."""
+    by node, each under its own meta) are returned. With ``own``, a body another call shares is copied first (to be
+    tagged for this call only); without, nothing in ``gm`` changes."""
     if not layer.inputs:
         return "it has no checkpointed input of its own"
     found = []
@@ -280,7 +285,7 @@ def offload_sources(gm: fx.GraphModule, layer: Layer, sites: list[fx.Node]) -> l
     for a in computed:
         if a.op == "call_function" and a.target is operator.getitem and a.args[0] in sites:
             site, index = a.args[0], a.args[1]
-            body = _own_body(gm, site, sites)
+            body = _own_body(gm, site, sites) if own else body_of(gm, site)
             result = next(n for n in body.graph.nodes if n.op == "output").args[0]
             made = result[index] if isinstance(result, (tuple, list)) else result
             if not isinstance(made, fx.Node) or made.op == "placeholder":
@@ -437,18 +442,23 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         sources = {i: offload_sources(gm, layer, sites) for i, layer in enumerate(layers)}
         can = [i for i, found in sources.items() if not isinstance(found, str)]
         offloaded = choose_offload(layers, plan, room, host, every, can)
-        left = plan.saved + plan.reserve - sum((host_bytes(layers[i]) for i in offloaded), 0)
+        moved = sum((host_bytes(layers[i]) for i in offloaded), 0)
+        left = plan.saved + plan.reserve - moved
         if offloaded and not every and not isinstance(left, int):
             bool(left <= room)  # a length the offload no longer covers re-plans
+        if offloaded and not isinstance(moved, int):
+            bool(moved <= host)  # nor one past the host budget
+    elif ctx.settings.offload == "auto" and not plan.keep and not isinstance(plan.saved + plan.reserve, int):
+        bool(plan.saved + plan.reserve <= room)  # a length whose inputs no longer fit re-plans (and offloads)
     on_host = sum((_hint(host_bytes(layers[i])) for i in offloaded), 0)
     for i, layer in enumerate(layers):
         if i in plan.keep or i in offloaded:
             continue
         if layer.why_not is not None and not over:
             reason = f"checkpointed: it cannot be kept whole ({layer.why_not})"
-        elif offloaded and isinstance(sources.get(i), str):
+        elif (offloaded or every) and isinstance(sources.get(i), str):
             reason = f"checkpointed on the device: its input cannot go to the host ({sources[i]})"
-        elif offloaded and (every or on_host + _hint(host_bytes(layer)) > host):
+        elif every or (offloaded and on_host + _hint(host_bytes(layer)) > host):
             reason = (f"checkpointed on the device: the host budget ({gib(host)}; {host_words}) holds no more than "
                       f"the {len(offloaded)} earlier layers' inputs ({gib(on_host)})")  # fmt: skip
         elif offloaded:
@@ -475,7 +485,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result.rewrote(layer.site, reporting.Rewrite(NAME, layer.where, detail=detail))
     for i in offloaded:
         layer = layers[i]
-        for node, index in sources[i]:
+        for node, index in offload_sources(gm, layer, sites, own=True):
             offload.tag(node, layer.where, index)
         layer.site.meta[offload.LAYER] = True
         because = ("offload=all" if every else

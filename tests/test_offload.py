@@ -31,12 +31,13 @@ def _fresh():
 
 def test_the_ops_schemas_and_fakes():
     x = torch.randn(4, 6, dtype=torch.float64)
-    host = torch.ops.tilecompile.offload(x, None, True)
+    host = torch.ops.tilecompile.offload(x, None, None, True)
     assert host.device.type == "cpu" and torch.equal(host, x) and host.data_ptr() != x.data_ptr()
-    back = torch.ops.tilecompile.reload(host, None, torch.device("cpu"))
+    back = torch.ops.tilecompile.reload(host, None, None, torch.device("cpu"))
     assert torch.equal(back, x) and back.data_ptr() != host.data_ptr()
-    torch.library.opcheck(torch.ops.tilecompile.offload.default, (x, x.clone(), False))
-    torch.library.opcheck(torch.ops.tilecompile.reload.default, (host, host.clone(), torch.device("cpu")))
+    torch.library.opcheck(torch.ops.tilecompile.offload.default, (x, x.clone(), host.clone(), False))
+    torch.library.opcheck(torch.ops.tilecompile.reload.default, (host, host.clone(), x.clone(), torch.device("cpu")))
+    assert torch.Tag.cudagraph_unsafe in torch.ops.tilecompile.offload.default.tags
 
 
 def _model(layers=3):

@@ -109,6 +109,7 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> dict[
             or not isinstance(value, torch.Tensor)
             or not value.is_contiguous()
             or n.name not in placeholders
+            or not placeholders[n.name].users  # saved, but the backward never reads it: nothing to offload
         ):
             continue
         chosen.append(n)
@@ -118,14 +119,16 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> dict[
     points = sorted(((max((order[u] for u in _last_uses(n)), default=order[n]), n) for n in chosen),
                     key=lambda p: p[0])  # fmt: skip
     hosts: dict[fx.Node, fx.Node] = {}
-    previous = None
+    previous, last, last_at = None, None, -1
     nodes = list(fw.graph.nodes)
     for i, (at, n) in enumerate(points):
-        with fw.graph.inserting_after(nodes[at] if at != order[n] else n):
-            host = fw.graph.call_function(torch.ops.tilecompile.offload.default, (n, previous, i == len(points) - 1))
+        anchor = last if last is not None and last_at == at else nodes[at]  # two with one last reader: in order
+        with fw.graph.inserting_after(anchor):
+            args = (n, previous, last, i == len(points) - 1)  # `last`: orders the calls, as the waits assume
+            host = fw.graph.call_function(torch.ops.tilecompile.offload.default, args)
         host.meta.update(custom=n.meta.get("custom"), val=n.meta["val"].to("cpu"))
         hosts[n] = host
-        previous = n
+        previous, last, last_at = n, host, at
     saved = [hosts.get(x, x) if isinstance(x, fx.Node) else x for x in outputs[num_fwd_outputs:]]
     output.update_arg(0, tuple(outputs[:num_fwd_outputs] + saved))
 
@@ -139,11 +142,13 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> dict[
     bnodes = list(bw.graph.nodes)
     done: dict[str, int] = {}
     reloads: set[fx.Node] = set()
+    back = None
     for i, (at, p, n) in enumerate(firsts):
         following = firsts[i + 1][1] if i + 1 < len(firsts) else None
         value = p.meta["val"]
-        with bw.graph.inserting_before(bnodes[at]):
-            back = bw.graph.call_function(torch.ops.tilecompile.reload.default, (p, following, value.device))
+        with bw.graph.inserting_before(bnodes[at]):  # one first user for two: inserted in this order before it
+            args = (p, following, back, value.device)  # `back`, the previous reload: orders the calls
+            back = bw.graph.call_function(torch.ops.tilecompile.reload.default, args)
         back.meta["val"] = value
         reloads.add(back)
         p.replace_all_uses_with(back, delete_user_cb=lambda u: u not in reloads)  # a reload's `next` stays on the host

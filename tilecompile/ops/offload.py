@@ -1,7 +1,7 @@
 """Activations offloaded to host memory between the forward and the backward: two custom ops that the offload
 partition (tilecompile/offload.py) puts into the compiled forward and backward graphs.
 
-``tilecompile::offload(x, previous, wait) -> host``: a host copy of ``x`` (contiguous; pinned when ``x`` is on a
+``tilecompile::offload(x, previous, after, wait) -> host``: a host copy of ``x`` (contiguous; pinned when ``x`` is on a
 CUDA device), made on a side stream of ``x``'s device while the compute stream goes on. The forward graph returns
 ``host`` as the saved tensor in place of ``x``, so ``x`` is freed on the device once the forward is done with it.
 Two hazards and what answers them:
@@ -13,11 +13,15 @@ Two hazards and what answers them:
   here the compute stream waits for every earlier copy before going on. The last offload of a graph has ``wait``
   set: the compute stream waits for its copy at once (one layer's copy on the compute stream's path per step).
 
-``tilecompile::reload(host, next, device) -> x``: ``host`` back on ``device``. When a previous reload prefetched it
-(it was that call's ``next``), the compute stream only waits for that copy; otherwise the copy is made now, on
-the side stream, and waited for. Then ``next`` (the host tensor the backward reloads after this one) is copied on the
-side stream into a fresh device tensor, held here until its reload: one layer's copy ahead of its use, under the
-compute of this one.
+``after`` (both ops): the previous call's output, which this call does not read: it only orders the calls
+(Inductor may reorder independent nodes; the waits above rely on the graph's order). For a reload that keeps the
+previous layer's reloaded input alive until this call, which comes right after that layer's backward.
+
+``tilecompile::reload(host, next, after, device) -> x``: ``host`` back on ``device``. When a previous reload
+prefetched it (it was that call's ``next``), the compute stream only waits for that copy; otherwise the copy is made
+now, on the side stream, and waited for. Then ``next`` (the host tensor the backward reloads after this one) is
+copied on the side stream into a fresh device tensor, held here until its reload: one layer's copy ahead of its use,
+under the compute of this one.
 
 No host sync anywhere: the waits are stream waits. The side stream's copies are in issue order, so a reload's
 host-to-device copy follows the forward's device-to-host copy of the same tensor. Pinned host blocks come from
@@ -32,8 +36,6 @@ from typing import Any
 
 import torch
 
-from tilecompile.ops import define_op
-
 _side: dict[torch.device, Any] = {}  # a side stream per CUDA device
 _pending: list[Any] = []  # the events of host copies the compute stream has not waited for yet
 _prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}  # host data_ptr -> (host, device copy, event)
@@ -45,7 +47,7 @@ def _side_stream(device: torch.device) -> Any:
     return _side[device]
 
 
-def _offload(x: torch.Tensor, previous: torch.Tensor | None, wait: bool) -> torch.Tensor:
+def _offload(x: torch.Tensor, previous: torch.Tensor | None, after: torch.Tensor | None, wait: bool) -> torch.Tensor:
     if x.device.type != "cuda":
         return x.to("cpu", copy=True).contiguous()
     compute = torch.cuda.current_stream(x.device)
@@ -69,7 +71,9 @@ def _offload(x: torch.Tensor, previous: torch.Tensor | None, wait: bool) -> torc
     return host
 
 
-def _offload_fake(x: torch.Tensor, previous: torch.Tensor | None, wait: bool) -> torch.Tensor:
+def _offload_fake(
+    x: torch.Tensor, previous: torch.Tensor | None, after: torch.Tensor | None, wait: bool
+) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
 
 
@@ -82,14 +86,17 @@ def _copy_on_side(host: torch.Tensor, device: torch.device) -> tuple[torch.Tenso
         out.copy_(host, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
+    out.record_stream(side)  # a prefetch dropped unused (an aborted backward) is not handed out mid-copy
     return out, done
 
 
-def _reload(host: torch.Tensor, next: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _reload(
+    host: torch.Tensor, next: torch.Tensor | None, after: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device, copy=True)
-    entry = _prefetched.pop(host.data_ptr(), None)
-    if entry is not None and entry[0].shape == host.shape and entry[0].dtype == host.dtype:
+    entry = _prefetched.pop(host.data_ptr(), None)  # it holds its host tensor: that address is this tensor's
+    if entry is not None:
         out, done = entry[1], entry[2]
     else:
         out, done = _copy_on_side(host, device)
@@ -100,9 +107,21 @@ def _reload(host: torch.Tensor, next: torch.Tensor | None, device: torch.device)
     return out
 
 
-def _reload_fake(host: torch.Tensor, next: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _reload_fake(
+    host: torch.Tensor, next: torch.Tensor | None, after: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
     return torch.empty(host.shape, dtype=host.dtype, device=device)
 
 
-offload = define_op("offload", "(Tensor x, Tensor? previous, bool wait) -> Tensor", _offload, _offload_fake)
-reload = define_op("reload", "(Tensor host, Tensor? next, Device device) -> Tensor", _reload, _reload_fake)
+def _define(name: str, schema: str, impl: Any, fake: Any) -> Any:
+    # state kept across calls (the pending copies, the prefetches): never captured into a CUDA graph
+    op = torch.library.custom_op(f"tilecompile::{name}", impl, mutates_args=(), schema=schema,
+                                 tags=(torch.Tag.cudagraph_unsafe,))  # fmt: skip
+    op.register_fake(fake)
+    return op
+
+
+offload = _define("offload", "(Tensor x, Tensor? previous, Tensor? after, bool wait) -> Tensor", _offload,
+                  _offload_fake)  # fmt: skip
+reload = _define("reload", "(Tensor host, Tensor? next, Tensor? after, Device device) -> Tensor", _reload,
+                 _reload_fake)  # fmt: skip
