@@ -710,7 +710,8 @@ def test_experts_of_a_layer_the_memory_plan_keeps_stay_whole(monkeypatch):
     assert tilecompile.report().counts["memory_plan"] == 2 and not _rewrites()
     reasons = [s.reason for s in _skips()]
     # transformers >= 5.25 compiles each checkpointed layer as a frame of its own (its __call__ breaks the graph), so
-    # the layer has no path inside the model there: the report names the checkpoint call, one reason for both frames
+    # the layer has no path inside the model there: the report names the checkpoint call (the same name in both
+    # frames, one reason, or tag_activation_checkpoint_1 in the second: both seen)
     names = ("model.layers.", "tag_activation_checkpoint")
-    assert len(reasons) == (2 if "model.layers." in str(reasons) else 1), reasons
+    assert (len(reasons) == 2) if "model.layers." in str(reasons) else (1 <= len(reasons) <= 2), reasons
     assert all(any(f"the memory plan keeps layer {name}" in r for name in names) for r in reasons), reasons
