@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import test_memory_plan as plan_tests
 import torch
 from helpers import assert_close, compile_options
 
@@ -18,15 +19,7 @@ import tilecompile
 from tilecompile import offload
 from tilecompile.passes import memory_plan
 
-transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    tilecompile.reset()
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+_fresh = plan_tests._fresh  # autouse: a fresh report and Dynamo around each test (that module skips without HF)
 
 
 def test_the_ops_schemas_and_fakes():
@@ -40,22 +33,7 @@ def test_the_ops_schemas_and_fakes():
     assert torch.Tag.cudagraph_unsafe in torch.ops.tilecompile.offload.default.tags
 
 
-def _model(layers=3):
-    cfg = transformers.Qwen2Config(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg).double()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    return model.train()
-
-
-def _step(model, ids):
-    logits = model(input_ids=ids).logits[:, :-1]
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return -logp.mean()
+_model, _step = plan_tests._model, plan_tests._step  # the tiny checkpointed Qwen2 and its log-prob step
 
 
 def _run(monkeypatch, ids_list, room=None, dynamic=None, layers=3, **options):
