@@ -424,11 +424,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return result
     room, words = room_for(budget, device, trainable_bytes(gm))
     every = ctx.settings.offload == "all"
-    plan = Plan([], room, 0, 0, 0) if every else choose(layers, room)
+    plan = choose(layers, room)
     if every:  # every checkpointed input to the host, nothing kept: the offload measured on its own
-        plan.saved = sum((layer.saved for layer in layers), 0)
-        plan.reserve = max((x.kept if x.computed is None else x.computed for x in layers), key=_hint, default=0)
-        plan.total = plan.saved + plan.reserve
+        plan.keep, plan.total = [], plan.saved + plan.reserve
     if plan.keep:
         bool(plan.total <= room)  # under dynamic shapes: a guard, so a length the plan does not fit re-plans
     elif not isinstance(plan.saved + plan.reserve, int) and not every:

@@ -50,12 +50,6 @@ def tagged(gm: fx.GraphModule) -> dict[str, fx.Node]:
     return {n.meta["custom"][TAG]: n for n in gm.graph.nodes if TAG in (n.meta.get("custom") or {})}
 
 
-def untag(gm: fx.GraphModule) -> None:
-    for n in gm.graph.nodes:
-        if TAG in (n.meta.get("custom") or {}):
-            n.meta["custom"] = {k: v for k, v in n.meta["custom"].items() if k not in (TAG, TAG_INDEX)}
-
-
 def take_offloaded() -> dict[str, int]:
     """The layers the partitions since the last call offloaded, with their host bytes; forgets them."""
     done = dict(_done)
@@ -133,12 +127,8 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> dict[
     output.update_arg(0, tuple(outputs[:num_fwd_outputs] + saved))
 
     border = {n: i for i, n in enumerate(bw.graph.nodes)}
-    firsts = []
-    for n in chosen:
-        p = placeholders[n.name]
-        if p.users:
-            firsts.append((min(border[u] for u in p.users), p, n))
-    firsts.sort(key=lambda f: f[0])
+    firsts = sorted(((min(border[u] for u in placeholders[n.name].users), placeholders[n.name], n) for n in chosen),
+                    key=lambda f: f[0])  # fmt: skip
     bnodes = list(bw.graph.nodes)
     done: dict[str, int] = {}
     reloads: set[fx.Node] = set()

@@ -47,6 +47,13 @@ from tilecompile.integrations.trainers import IntegrationError
 
 log = logging.getLogger("tilecompile")
 
+_FUSED_KERNELS = (
+    "use_fused_kernels=True: verl's own fused lm_head kernel returns the log-probs from inside the model, where the "
+    "lm_head pass cannot read them; set actor_rollout_ref.model.use_fused_kernels=False (tilecompile fuses the lm_head "
+    "itself)"
+)  # the refusals compile_engine and compile_actor share
+_ULYSSES = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+_FSDP1 = "FSDP1 (strategy='fsdp') is not supported; use strategy='fsdp2'"
 _ATTR = "_tilecompile"  # set on a compiled engine; its value is the step's compiled function
 
 
@@ -97,15 +104,11 @@ def _refused(engine: Any) -> str | None:
         return "the engine has no module yet; call engine.initialize() first"
     model_config = getattr(engine, "model_config", None)
     if getattr(model_config, "use_fused_kernels", False) or getattr(engine.engine_config, "use_fused_kernels", False):
-        return (
-            "use_fused_kernels=True: verl's own fused lm_head kernel returns the log-probs from inside the model, "
-            "where the lm_head pass cannot read them; set actor_rollout_ref.model.use_fused_kernels=False (tilecompile "
-            "fuses the lm_head itself)"
-        )
+        return _FUSED_KERNELS
     if getattr(engine, "use_ulysses_sp", False):
-        return "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+        return _ULYSSES
     if isinstance(engine.module, torch.distributed.fsdp.FullyShardedDataParallel):
-        return "FSDP1 (strategy='fsdp') is not supported; use strategy='fsdp2'"
+        return _FSDP1
     if getattr(engine, "_is_lora", False):
         return "LoRA (lora_rank > 0) is not supported yet: its adapters sit beside the projections the passes rewrite"
     return None
@@ -356,8 +359,9 @@ def compile_actor(actor: Any, *, backend: Any = "tilecompile", options: dict | N
     policy; its module a Hugging Face causal LM, plain or under FSDP2) with tilecompile: one call before training.
     Returns the actor.
 
-    ``_forward_micro_batch`` is replaced by a step that runs verl's own unpadding (remove-padding: ``unpad_input``
-    and the rolled ids; padded: the ids rolled by one) eagerly, calls the model with its per-token log-prob and entropy
+    ``_forward_micro_batch`` is replaced by a step that unpads eagerly as verl does (remove-padding: the packed ids
+    and positions, written in torch where verl calls flash-attn's ``unpad_input``, and the rolled ids; padded: the
+    ids rolled by one), calls the model with its per-token log-prob and entropy
     math compiled in the lm_head's graph (as ``compile_engine``: fused there, never building the logits), with the
     token dimension dynamic (one compile for every micro-batch length; verl's own ``logprobs_from_logits_v2`` loops
     over the packed rows, which put their count into the graph and recompiled per batch), and pads the values back
@@ -376,14 +380,11 @@ def compile_actor(actor: Any, *, backend: Any = "tilecompile", options: dict | N
     module = actor.actor_module
     why = None
     if getattr(actor, "use_fused_kernels", False):
-        why = (
-            "use_fused_kernels=True: verl's own fused lm_head kernel returns the log-probs from inside the "
-            "model, where the lm_head pass cannot read them; set actor_rollout_ref.model.use_fused_kernels=False"
-        )
+        why = _FUSED_KERNELS
     elif getattr(actor, "use_ulysses_sp", False):
-        why = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+        why = _ULYSSES
     elif isinstance(module, torch.distributed.fsdp.FullyShardedDataParallel):
-        why = "FSDP1 (strategy='fsdp') is not supported; use strategy='fsdp2'"
+        why = _FSDP1
     if why is not None:
         raise IntegrationError(f"compile_actor: {why}")
     try:

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 
-def define_op(name: str, schema: str, impl: Any, fake: Any) -> Any:
+def define_op(name: str, schema: str, impl: Any, fake: Any, tags: tuple = ()) -> Any:
     """The custom op ``tilecompile::<name>`` declared by its schema (where its arguments and their types are written
-    once), with its implementation and its fake; both take the schema's arguments in order."""
-    op = torch.library.custom_op(f"tilecompile::{name}", impl, mutates_args=(), schema=schema)
+    once), with its implementation and its fake; both take the schema's arguments in order. ``tags``: torch.Tag's."""
+    op = torch.library.custom_op(f"tilecompile::{name}", impl, mutates_args=(), schema=schema, tags=tags)
     op.register_fake(fake)
     return op
 

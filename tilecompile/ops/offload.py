@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from tilecompile.ops import define_op
+
 _side: dict[torch.device, Any] = {}  # a side stream per CUDA device
 _pending: list[Any] = []  # the events of host copies the compute stream has not waited for yet
 _prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}  # host data_ptr -> (host, device copy, event)
@@ -113,15 +115,8 @@ def _reload_fake(
     return torch.empty(host.shape, dtype=host.dtype, device=device)
 
 
-def _define(name: str, schema: str, impl: Any, fake: Any) -> Any:
-    # state kept across calls (the pending copies, the prefetches): never captured into a CUDA graph
-    op = torch.library.custom_op(f"tilecompile::{name}", impl, mutates_args=(), schema=schema,
-                                 tags=(torch.Tag.cudagraph_unsafe,))  # fmt: skip
-    op.register_fake(fake)
-    return op
-
-
-offload = _define("offload", "(Tensor x, Tensor? previous, Tensor? after, bool wait) -> Tensor", _offload,
-                  _offload_fake)  # fmt: skip
-reload = _define("reload", "(Tensor host, Tensor? next, Tensor? after, Device device) -> Tensor", _reload,
-                 _reload_fake)  # fmt: skip
+_UNSAFE = (torch.Tag.cudagraph_unsafe,)  # state kept across calls (pending copies, prefetches): never in a CUDA graph
+offload = define_op("offload", "(Tensor x, Tensor? previous, Tensor? after, bool wait) -> Tensor", _offload,
+                    _offload_fake, _UNSAFE)  # fmt: skip
+reload = define_op("reload", "(Tensor host, Tensor? next, Tensor? after, Device device) -> Tensor", _reload,
+                   _reload_fake, _UNSAFE)  # fmt: skip
