@@ -499,6 +499,10 @@ _DDP_WORKER = textwrap.dedent(
     (model(data[rank]) ** 2).mean().backward()
     if rank == 0:
         torch.save({k: p.grad for k, p in model.module.named_parameters()}, out)
+    # Both ranks reach the end before either tears down: a rank that destroyed the group (and its DDP reducer)
+    # while the other still held a connection aborted once in CI ("terminate called without an active exception").
+    dist.barrier()
+    del model
     dist.destroy_process_group()
     """
 )

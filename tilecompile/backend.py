@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import logging
 import pathlib
 from collections.abc import Callable, Sequence
@@ -156,12 +157,10 @@ def cache_tag() -> str:
     Inductor's on-disk caches key a graph by its nodes, not by what a custom op does: after tilecompile changes an
     op's decomposition or output shapes, a cached graph built for the old code would be loaded and fail (or worse).
     """
-    import tilecompile
-
     digest = hashlib.sha256()
-    for pkg in ("", ".passes", ".kernels"):  # each folder with its subpackages (tilecompile/ holds ops/)
-        module = __import__(f"tilecompile{pkg}", fromlist=["_"]) if pkg else tilecompile
-        for d in module.__path__:
+    for pkg in ("tilecompile", "tilecompile.passes", "tilecompile.kernels"):  # tilecompile/ holds ops/
+        # find_spec reads where a package lives without the backend importing the package above it
+        for d in importlib.util.find_spec(pkg).submodule_search_locations:
             for path in sorted(pathlib.Path(d).rglob("*.py")):  # the pass packages' stages included
                 digest.update(str(path.relative_to(d)).encode())
                 digest.update(path.read_bytes())
