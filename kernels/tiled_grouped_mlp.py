@@ -14,9 +14,8 @@ buffers, [rows, 2I] and [rows, I], each way). Both compute in fp32 and round onc
 (``present[e]``); a chunk's ``grouped_mm`` weight grad is zero for the others, so skipping them changes nothing and
 saves reading and writing the whole [E, K, N] accumulator once per chunk (a chunk holds about E / chunks experts).
 
-``act_mul_reference`` / ``act_backward_reference`` / ``accumulate_reference`` are the same math in plain PyTorch:
-the CPU implementation and the kernels' reference (tests/test_moe_grouped.py compares them under
-TRITON_INTERPRET=1).
+The same math in plain PyTorch (the CPU implementation and the kernels' reference) is in
+``kernels/tiled_mlp_reference.py``; tests/test_moe_grouped.py compares the two under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -33,53 +32,10 @@ if HAS_TRITON:
 
     from tilecompile.kernels.tiled_mlp import _gated_act
 
-__all__ = [
-    "HAS_TRITON",
-    "accumulate",
-    "accumulate_reference",
-    "act_backward",
-    "act_backward_reference",
-    "act_mul",
-    "act_mul_reference",
-]
+__all__ = ["HAS_TRITON", "accumulate", "act_backward", "act_mul"]
 
 _BLOCK = 1024
 _ACC_BLOCK = 4096
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the plain-PyTorch reference
-
-
-def act_mul_reference(gu: Tensor, mask: Tensor | None, activation: str) -> Tensor:
-    """h = act(g) * u of ``gu`` = [g | u] (zero-filled first on the rows of ``mask`` [rows, 1]); ``gu`` is left as
-    it is unless masked rows are zeroed in it."""
-    inter = gu.shape[1] // 2
-    if mask is not None:
-        gu.masked_fill_(mask, 0)
-    h = mlp_kernels.act_into(gu[:, :inter], torch.empty_like(gu[:, :inter]), activation)
-    return h.mul_(gu[:, inter:])
-
-
-def act_backward_reference(gu: Tensor, dh: Tensor, mask: Tensor | None, activation: str) -> None:
-    """In place: ``gu`` <- [dg | du], ``dh`` <- h; dg and du zero on the rows of ``mask`` (masked_fill's backward)."""
-    inter = gu.shape[1] // 2
-    if mask is not None:
-        gu.masked_fill_(mask, 0)
-    g, u = gu[:, :inter], gu[:, inter:]
-    a = mlp_kernels.act_into(g, torch.empty_like(g), activation)
-    du = a * dh
-    dg = mlp_kernels.act_backward_into(dh * u, g, torch.empty_like(g), activation)
-    torch.mul(a, u, out=dh)
-    g.copy_(dg)
-    u.copy_(du)
-    if mask is not None:
-        gu.masked_fill_(mask, 0)
-
-
-def accumulate_reference(acc: Tensor, part: Tensor, present: Tensor) -> None:
-    """acc += part (``part`` is zero for the experts not ``present``: adding them changes nothing)."""
-    acc.add_(part)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,13 +8,12 @@ Nothing is saved: the op (tilecompile/ops/tiled_mlp.py) recomputes g and u per c
 ``_tiled_mlp_fwd_kernel`` overwrites g with h (reads 2 tensors, writes 1, instead of PyTorch's 5 passes);
 ``_tiled_mlp_bwd_kernel`` overwrites g with h, u with du and dh with dg, each only where asked (reads 3, writes 3
 instead of 16 passes, and needs three [chunk, I] buffers instead of four). Both compute in fp32 and round once
-to the buffers' dtype. ``act_into`` / ``act_backward_into`` are the same math in plain PyTorch: the CPU
-implementation and the kernels' reference (tests/test_tiled_mlp_op.py compares the two under TRITON_INTERPRET=1).
+to the buffers' dtype. The same math in plain PyTorch (the CPU implementation and the kernels' reference) is in
+``kernels/tiled_mlp_reference.py``; tests/test_tiled_mlp_op.py compares the two under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 try:
@@ -25,36 +24,10 @@ try:
 except ImportError:  # CPU-only installs without Triton use the PyTorch reference everywhere
     HAS_TRITON = False
 
-__all__ = ["ACT_CODE", "HAS_TRITON", "act_backward_into", "act_into", "fused_act_backward_", "fused_act_mul_"]
+__all__ = ["ACT_CODE", "HAS_TRITON", "fused_act_backward_", "fused_act_mul_"]
 
 ACT_CODE = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 _BLOCK = 2048
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the plain-PyTorch reference, writing into a given buffer (which may be one of the inputs)
-
-
-def act_into(src: Tensor, out: Tensor, activation: str) -> Tensor:
-    """out = act(src)."""
-    if activation == "silu":
-        return torch.ops.aten.silu.out(src, out=out)
-    if activation == "gelu":
-        return torch.ops.aten.gelu.out(src, approximate="none", out=out)
-    if activation == "gelu_tanh":
-        return torch.ops.aten.gelu.out(src, approximate="tanh", out=out)
-    return torch.clamp_min(src, 0, out=out)
-
-
-def act_backward_into(grad: Tensor, pre: Tensor, out: Tensor, activation: str) -> Tensor:
-    """out = grad * act'(pre)."""
-    if activation == "silu":
-        return torch.ops.aten.silu_backward.grad_input(grad, pre, grad_input=out)
-    if activation == "gelu":
-        return torch.ops.aten.gelu_backward.grad_input(grad, pre, approximate="none", grad_input=out)
-    if activation == "gelu_tanh":
-        return torch.ops.aten.gelu_backward.grad_input(grad, pre, approximate="tanh", grad_input=out)
-    return torch.ops.aten.threshold_backward.grad_input(grad, pre, 0, grad_input=out)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -457,6 +457,28 @@ def test_masks_left_alone_or_exact(build, reason):
         assert report.counts["attention"] == 0 and skipped and reason in skipped[0], skipped
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["flat", "checkpointed"])
+def test_a_mask_passed_in_is_left_with_a_reason(checkpointed):
+    """A mask made outside the compiled code enters the root graph as an input: its values are unknown at compile
+    time, so SDPA keeps it, and the report says why (under checkpointing it reaches SDPA through the layer's body)."""
+    torch.manual_seed(0)
+    model = Attn(heads=2, kv_heads=2)
+    x = torch.randn(1, 11, 32)
+    mask = _broadcast_causal(x)
+
+    def fn(m, x, mask):
+        if checkpointed:
+            return torch.utils.checkpoint.checkpoint(m, x, mask, use_reentrant=False)
+        return m(x, mask)
+
+    out = torch.compile(fn, backend="tilecompile", options=compile_options())(model, x, mask)
+    assert_close(out, fn(model, x, mask), rtol=1e-5, atol=1e-6, name="out")
+    report = tilecompile.report()
+    skipped = [s.reason for s in report.skipped if s.pass_name == "attention"]
+    assert report.counts["attention"] == 0
+    assert len(skipped) == 1 and "input of" in skipped[0] and "made by the caller" in skipped[0], skipped
+
+
 def test_dropout_is_left_alone():
     model = Attn(heads=2, kv_heads=2)
     fn = lambda m, x: m(x, _broadcast_causal(x), dropout_p=0.1)  # noqa: E731

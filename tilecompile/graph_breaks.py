@@ -173,10 +173,10 @@ def notes(gm: fx.GraphModule) -> list[reporting.Skip]:
                 continue
             out.append(reporting.Skip(
                 "attention", "sdpa", fxgraph.module_path(node),
-                f"its attn_mask {list(fxgraph.shape(src) or ())} is an input of this graph (built in an earlier graph, "
-                "before a graph break), so its construction cannot be read and the attention stays dense; let the "
-                "graph that attends build the mask (compile the step whole, or per block with the mask built "
-                "inside the block)",
+                f"its attn_mask {list(fxgraph.shape(src) or ())} is an input of this graph (made by the caller, "
+                "or in an earlier graph before a graph break), so its construction cannot be read and the attention "
+                "stays dense; let the graph that attends build the mask (compile the step whole, or per block with "
+                "the mask built inside the block)",
             ))  # fmt: skip
     return out
 

@@ -315,12 +315,17 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 if isinstance(a, fx.Node) and i < len(phs) and _reaches_sdpa_mask(body, phs[i]):
                     masks.setdefault(a, [])
     for mask, direct in masks.items():
-        if mask.op == "placeholder":
-            continue  # a body's mask comes from its parent graph, which reads it there
+        if mask.op == "placeholder" and (direct or ctx.graph_name != "<root>"):
+            # a body's mask comes from its parent graph, which reads it there; an input of the root graph that
+            # SDPA reads directly gets its reason from tilecompile/graph_breaks.py, which names the break
+            continue
         seq = (fxgraph.shape(mask) or (None,))[-1]  # checked against q and k at each use
         candidate = f"mask {mask.name}"
         result.consider(mask, candidate)
         path = fxgraph.module_path(direct[0]) if direct else ""
+        if mask.op == "placeholder":  # the root graph's input, read by SDPA inside a checkpointed layer's body
+            result.skip(mask, reporting.Skip(NAME, candidate, path, _INPUT_MASK_REASON))
+            continue
         try:
             spec = mask_algebra.analyze(mask, seq) if seq is not None else None
         except mask_algebra.NotIndexArithmetic as exc:
@@ -359,6 +364,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return result
 
 
+_INPUT_MASK_REASON = (
+    "the mask is an input of the compiled graph (made by the caller, or in an earlier graph before a graph break) "
+    "and reaches SDPA inside a layer's body: its construction cannot be read, so the attention stays dense; let "
+    "the graph that attends build the mask (compile the step whole, or per block with the mask built inside it)"
+)
 _EAGER_REASON = (
     "attention spelled out as matmul, softmax and matmul (the model's eager attention implementation): its "
     "[B, H, N, N] scores are built, and saved for backward; this pass rewrites SDPA calls only. Load the model with "

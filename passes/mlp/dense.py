@@ -58,23 +58,14 @@ class Projection:
     def sliced(self) -> bool:
         return self.start is not None
 
+    @property
+    def matmul(self) -> fxgraph.Linear:
+        return self.linear
+
 
 @dataclasses.dataclass(frozen=True)
-class GatedMLP:
-    down: fxgraph.Linear
-    mul: fx.Node
-    act: fxgraph.Activation
-    gate: Projection
-    up: Projection
-    region: frozenset[fx.Node]  # every node the op replaces, ``down.node`` included
-
-    @property
-    def x(self) -> fx.Node:
-        return self.gate.linear.input
-
-    @property
-    def fused(self) -> bool:
-        return self.gate.linear.node is self.up.linear.node
+class GatedMLP(common.Gated):
+    """A dense gated MLP: ``down`` a ``fxgraph.Linear``, ``gate`` and ``up`` ``Projection``s."""
 
 
 # ------------------------------------------------------------------------------------------------------ find
@@ -191,15 +182,7 @@ def _region(end: fx.Node, down: fxgraph.Linear, gate: Projection, up: Projection
     leaves = {gate.linear.input, up.linear.input}
     for lin in (gate.linear, up.linear, down):
         leaves |= {lin.weight} | ({lin.bias} if lin.bias is not None else set())
-    region, todo = set(), [end]
-    while todo:
-        n = todo.pop()
-        if n in region or n in leaves:
-            continue
-        region.add(n)
-        if n.op not in ("placeholder", "get_attr"):
-            todo += fxgraph.tensor_args(n)
-    return frozenset(region)
+    return common.region(end, leaves)
 
 
 # ----------------------------------------------------------------------------------------------------- check
@@ -211,24 +194,8 @@ def check_same_input(m: GatedMLP) -> str | None:
     return None
 
 
-def check_weights_are_inputs(m: GatedMLP) -> str | None:
-    for role, lin in (("gate", m.gate.linear), ("up", m.up.linear), ("down", m.down)):
-        for kind, t in (("weight", lin.weight), ("bias", lin.bias)):
-            if t is not None and fxgraph.graph_input(t) is None:
-                return f"{role} {kind} {t.name} is computed in the graph, not a graph input (parameter)"
-    return None
-
-
 def check_inside_region(m: GatedMLP) -> str | None:
-    for n in m.region - {m.down.node}:
-        if n.op in ("placeholder", "get_attr"):
-            return f"{n.name} reached through the MLP is an input other than x and the weights"
-        if fxgraph.graph_input(n) is not None:
-            continue  # a view or cast of a weight (w.t()): not an intermediate, left alone if shared
-        outside = fxgraph.users_outside(n, m.region)
-        if outside:
-            return f"intermediate {n.name} is also used outside the MLP (by {', '.join(u.name for u in outside)})"
-    return None
+    return common.check_inside_region(m, "MLP", "x and the weights", weight_views=True)
 
 
 def check_shapes(m: GatedMLP) -> str | None:
@@ -309,7 +276,6 @@ def rewrite(gm: fx.GraphModule, m: GatedMLP, ctx: PassContext) -> reporting.Rewr
     graph, end = gm.graph, m.down.node
     compute = fxgraph.dtype(end)
     fake_mode = getattr(fxgraph.example_value(end), "fake_mode", None) or contextlib.nullcontext()
-    stack = common.common_stack(m.region)
     new_nodes: list[fx.Node] = []
 
     def add(target, *args, method: bool = False, **kwargs) -> fx.Node:
@@ -349,14 +315,7 @@ def rewrite(gm: fx.GraphModule, m: GatedMLP, ctx: PassContext) -> reporting.Rewr
             s.mlp_chunk_budget_mb,
             s.mlp_grad_accum,
         )
-    for node in new_nodes:
-        if stack:
-            node.meta["nn_module_stack"] = dict(stack)
-        if "stack_trace" in end.meta:
-            node.meta["stack_trace"] = end.meta["stack_trace"]
-    expect(tiled, fxgraph.example_value(end))
-    end.replace_all_uses_with(tiled)
-    common.erase_dead(graph, m.region)
+    common.replace(graph, m, new_nodes, tiled)
     return _record(m, compute, s)
 
 
@@ -388,17 +347,12 @@ def run_dense(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order: d
     changed. ``order`` (node -> position, the experts stage's rewrites included) and ``markers`` (positions of
     autocast edges) are the pass's."""
     changed = False
-    for node in list(gm.graph.nodes):
-        if node not in order:
-            continue
-        m = match(node)
-        if m is None:
-            continue
+    for node, m in common.matches(gm, order, match):
         reason = m if isinstance(m, str) else None
         if reason is None:
             checks = (
                 check_same_input,
-                check_weights_are_inputs,
+                common.check_weights_are_inputs,
                 check_inside_region,
                 check_shapes,
                 check_dtypes,

@@ -114,23 +114,14 @@ class GroupedProjection:
     def width(self):
         return self.stop - self.start if self.sliced else self.mm.out_features
 
+    @property
+    def matmul(self) -> GroupedMM:
+        return self.mm
+
 
 @dataclasses.dataclass(frozen=True)
-class GroupedMLP:
-    down: GroupedMM
-    mul: fx.Node
-    act: fxgraph.Activation
-    gate: GroupedProjection
-    up: GroupedProjection
-    region: frozenset[fx.Node]  # every node the op replaces, ``down.node`` included
-
-    @property
-    def x(self) -> fx.Node:
-        return self.gate.mm.input
-
-    @property
-    def fused(self) -> bool:
-        return self.gate.mm.node is self.up.mm.node
+class GroupedMLP(common.Gated):
+    """Gated expert MLPs: ``down`` a ``GroupedMM``, ``gate`` and ``up`` ``GroupedProjection``s."""
 
     @property
     def mask(self) -> fx.Node | None:
@@ -274,15 +265,7 @@ def _region(end: fx.Node, down: GroupedMM, gate: GroupedProjection, up: GroupedP
     """The nodes between the MLP's inputs (rows, offsets, weights) and ``end``."""
     leaves = {gate.mm.input, up.mm.input, gate.mm.weight, up.mm.weight, down.weight}
     leaves |= {gate.mm.offs, up.mm.offs, down.offs} | ({gate.mask, up.mask} - {None})
-    region, todo = set(), [end]
-    while todo:
-        n = todo.pop()
-        if n in region or n in leaves:
-            continue
-        region.add(n)
-        if n.op not in ("placeholder", "get_attr"):
-            todo += fxgraph.tensor_args(n)
-    return frozenset(region)
+    return common.region(end, leaves)
 
 
 def _projections_read_by(down: fx.Node) -> set[fx.Node]:
@@ -362,21 +345,8 @@ def check_row_mask(m: GroupedMLP) -> str | None:
     return None
 
 
-def check_weights_are_inputs(m: GroupedMLP) -> str | None:
-    for role, mm in (("gate", m.gate.mm), ("up", m.up.mm), ("down", m.down)):
-        if fxgraph.graph_input(mm.weight) is None:
-            return f"{role} weight {mm.weight.name} is computed in the graph, not a graph input (parameter)"
-    return None
-
-
 def check_inside_region(m: GroupedMLP) -> str | None:
-    for n in m.region - {m.down.node}:
-        if n.op in ("placeholder", "get_attr"):
-            return f"{n.name} reached through the experts is an input other than the rows, offsets and weights"
-        outside = fxgraph.users_outside(n, m.region)
-        if outside:
-            return f"intermediate {n.name} is also used outside the experts (by {', '.join(u.name for u in outside)})"
-    return None
+    return common.check_inside_region(m, "experts", "the rows, offsets and weights", weight_views=False)
 
 
 def check_shapes(m: GroupedMLP) -> str | None:
@@ -484,7 +454,6 @@ def check_pays(m: GroupedMLP, ctx: PassContext, graph_saved: int) -> str | None:
 def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> reporting.Rewrite:
     graph, end = gm.graph, m.down.node
     fake_mode = getattr(fxgraph.example_value(end), "fake_mode", None) or contextlib.nullcontext()
-    stack = common.common_stack(m.region)
     new_nodes: list[fx.Node] = []
 
     def add(target, *args, method: bool = False, **kwargs) -> fx.Node:
@@ -523,14 +492,7 @@ def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> reporting.Re
         out = tiled
         if m.down.form == "gathered":
             out = add(operator.getitem, tiled, add(torch.argsort, perm))
-    for node in new_nodes:
-        if stack:
-            node.meta["nn_module_stack"] = dict(stack)
-        if "stack_trace" in end.meta:
-            node.meta["stack_trace"] = end.meta["stack_trace"]
-    expect(out, fxgraph.example_value(end))
-    end.replace_all_uses_with(out)
-    common.erase_dead(graph, m.region)
+    common.replace(graph, m, new_nodes, out)
     return _record(m, s)
 
 
@@ -569,12 +531,7 @@ def run_experts(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order:
     covered: set[fx.Node] = set()
     found = [m for n in gm.graph.nodes if n in order and isinstance(m := match(n), GroupedMLP)]
     graph_saved = sum(b for m in found if (b := saved_bytes(m)) is not None)
-    for node in list(gm.graph.nodes):
-        if node not in order:
-            continue
-        m = match(node)
-        if m is None:
-            continue
+    for node, m in common.matches(gm, order, match):
         candidate = f"expert down projection {fxgraph.module_path(node) or node.name}"
         result.consider(node, candidate)
         reason = m if isinstance(m, str) else None
@@ -584,7 +541,7 @@ def run_experts(gm: fx.GraphModule, ctx: PassContext, result: PassResult, order:
                 lambda m: check_enabled(m, ctx.settings.mlp_experts),
                 check_same_rows,
                 check_row_mask,
-                check_weights_are_inputs,
+                common.check_weights_are_inputs,
                 check_inside_region,
                 check_shapes,
                 check_dtypes,

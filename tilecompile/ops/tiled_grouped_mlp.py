@@ -71,24 +71,17 @@ import torch
 from torch import Tensor
 
 from tilecompile.kernels import tiled_grouped_mlp as grouped_kernels
-from tilecompile.kernels import tiled_mlp as mlp_kernels
+from tilecompile.kernels import tiled_mlp_reference as mlp_reference
+from tilecompile.ops import define_op
 from tilecompile.ops.tiled_mlp import _acc_dtype, _accumulate_mm, _finish_grad, check_options, chunk_size_for
 
 __all__ = ["tiled_grouped_mlp"]
 
 
-def _check(
-    x: Tensor,
-    offsets: Tensor,
-    gate_weight: Tensor,
-    up_weight: Tensor,
-    down_weight: Tensor,
-    activation: str,
-    chunk_tokens: int,
-    budget_mb: int,
-    grad_accum: str,
-    row_mask: Tensor | None = None,
-) -> None:
+def _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens=0, budget_mb=256,
+           grad_accum="fp32", row_mask=None):  # fmt: skip
+    """The forward's operands as the schema (``_OPERANDS``) takes them, its defaults too (the dispatcher leaves off
+    trailing arguments equal to their defaults): a ValueError naming what is wrong."""
     name = "tiled_grouped_mlp"
     check_options(name, activation, chunk_tokens, budget_mb, grad_accum)
     if x.dim() != 2 or gate_weight.dim() != 3 or up_weight.dim() != 3 or down_weight.dim() != 3:
@@ -185,21 +178,21 @@ def _use_triton(t: Tensor) -> bool:
 def _act_mul(gu: Tensor, mask: Tensor | None, activation: str) -> Tensor:
     if _use_triton(gu) and gu.is_contiguous():  # grouped_mm may pad its output's rows: then the reference
         return grouped_kernels.act_mul(gu, mask, activation)
-    return grouped_kernels.act_mul_reference(gu, mask, activation)
+    return mlp_reference.act_mul_reference(gu, mask, activation)
 
 
 def _act_backward(gu: Tensor, dh: Tensor, mask: Tensor | None, activation: str) -> None:
     if _use_triton(gu) and gu.is_contiguous() and dh.is_contiguous():
         grouped_kernels.act_backward(gu, dh, mask, activation)
     else:
-        grouped_kernels.act_backward_reference(gu, dh, mask, activation)
+        mlp_reference.act_backward_reference(gu, dh, mask, activation)
 
 
 def _accumulate(acc: Tensor, part: Tensor, present: Tensor) -> None:
     if _use_triton(acc) and acc.is_contiguous() and part.is_contiguous():
         grouped_kernels.accumulate(acc, part, present)
     else:
-        grouped_kernels.accumulate_reference(acc, part, present)
+        mlp_reference.accumulate_reference(acc, part, present)
 
 
 def _chunks(offsets: Tensor, n: int, chunk: int):
@@ -290,19 +283,16 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
 # forward op
 
 
-@torch.library.custom_op("tilecompile::tiled_grouped_mlp", mutates_args=())
-def _tiled_grouped_mlp_op(
-    x: Tensor,
-    offsets: Tensor,
-    gate_weight: Tensor,
-    up_weight: Tensor,
-    down_weight: Tensor,
-    activation: str,
-    chunk_tokens: int = 0,
-    budget_mb: int = 256,
-    grad_accum: str = "fp32",
-    row_mask: Tensor | None = None,
-) -> Tensor:
+# x [S, D] routed rows sorted by expert, offsets [E] their cumulative counts, weights [E, in, out] (grouped_mm's
+# layout); chunk_tokens 0: from budget_mb; row_mask [S, 1] or [S]: rows whose gate and up count as zero.
+_OPERANDS = (
+    "Tensor x, Tensor offsets, Tensor gate_weight, Tensor up_weight, Tensor down_weight, str activation, "
+    "SymInt chunk_tokens=0, SymInt budget_mb=256, str grad_accum='fp32', Tensor? row_mask=None"
+)
+
+
+def _forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens=0, budget_mb=256,
+             grad_accum="fp32", row_mask=None):  # fmt: skip
     _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask)
     mask = _row_mask(row_mask)
     n, i, d_out = x.shape[0], gate_weight.shape[2], down_weight.shape[2]
@@ -324,26 +314,18 @@ def _tiled_grouped_mlp_op(
             if mask is not None:  # masked_fill(proj, mask, 0): h = act(0) * 0 on a masked row
                 g.masked_fill_(mask[s:t], 0)
                 u.masked_fill_(mask[s:t], 0)
-            mlp_kernels.act_into(g, g, activation).mul_(u)
+            mlp_reference.act_into(g, g, activation).mul_(u)
             torch.mm(g, wd, out=out[s:t])
     return out
 
 
-@_tiled_grouped_mlp_op.register_fake
-def _(
-    x,
-    offsets,
-    gate_weight,
-    up_weight,
-    down_weight,
-    activation,
-    chunk_tokens=0,
-    budget_mb=256,
-    grad_accum="fp32",
-    row_mask=None,
-):
-    _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask)
+def _fake_forward(*operands):
+    _check(*operands)
+    x, down_weight = operands[0], operands[4]
     return x.new_empty((x.shape[0], down_weight.shape[2]))
+
+
+_tiled_grouped_mlp_op = define_op("tiled_grouped_mlp", f"({_OPERANDS}) -> Tensor", _forward, _fake_forward)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -351,21 +333,14 @@ def _(
 # placeholder tensor, turned into None by the autograd wiring.
 
 
-@torch.library.custom_op("tilecompile::tiled_grouped_mlp_backward", mutates_args=())
-def _tiled_grouped_mlp_backward_op(
-    grad_out: Tensor,
-    x: Tensor,
-    offsets: Tensor,
-    gate_weight: Tensor,
-    up_weight: Tensor,
-    down_weight: Tensor,
-    activation: str,
-    chunk_tokens: int,
-    budget_mb: int,
-    grad_accum: str,
-    needs_grad: list[bool],
-    row_mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+_GRAD_OPERANDS = (
+    "Tensor grad_out, Tensor x, Tensor offsets, Tensor gate_weight, Tensor up_weight, Tensor down_weight, "
+    "str activation, SymInt chunk_tokens, SymInt budget_mb, str grad_accum, bool[] needs_grad, Tensor? row_mask=None"
+)
+
+
+def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, *settings):
+    activation, chunk_tokens, budget_mb, grad_accum, needs_grad, row_mask = (*settings, None)[:6]
     need_x, need_wg, need_wu, need_wd = ([bool(v) for v in needs_grad] + [False] * 4)[:4]
     n, i = x.shape[0], gate_weight.shape[2]
     mask = _row_mask(row_mask)
@@ -402,10 +377,10 @@ def _tiled_grouped_mlp_backward_op(
                     u.masked_fill_(mc, 0)
                 torch.mm(dyc, wd.t(), out=dh)
                 if need_wd:
-                    h = mlp_kernels.act_into(g, tmp, activation).mul_(u)
+                    h = mlp_reference.act_into(g, tmp, activation).mul_(u)
                     _accumulate_mm(acc_wd[e], h.t(), dyc)
                 if need_du:
-                    du = mlp_kernels.act_into(g, tmp, activation).mul_(dh)
+                    du = mlp_reference.act_into(g, tmp, activation).mul_(dh)
                     if mc is not None:  # masked_fill's backward
                         du.masked_fill_(mc, 0)
                     if need_wu:
@@ -413,7 +388,7 @@ def _tiled_grouped_mlp_backward_op(
                     if need_x:
                         torch.mm(du, wu.t(), out=dx[s:t])
                 if need_dg:
-                    dg = mlp_kernels.act_backward_into(u.mul_(dh), g, u, activation)
+                    dg = mlp_reference.act_backward_into(u.mul_(dh), g, u, activation)
                     if mc is not None:
                         dg.masked_fill_(mc, 0)
                     if need_wg:
@@ -428,24 +403,18 @@ def _tiled_grouped_mlp_backward_op(
     return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd
 
 
-@_tiled_grouped_mlp_backward_op.register_fake
-def _(
-    grad_out,
-    x,
-    offsets,
-    gate_weight,
-    up_weight,
-    down_weight,
-    activation,
-    chunk_tokens,
-    budget_mb,
-    accum,
-    needs,
-    mask=None,
-):
-    needs = ([bool(v) for v in needs] + [False] * 4)[:4]
+def _fake_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, *settings):
+    needs = ([bool(v) for v in settings[4]] + [False] * 4)[:4]
     like = (x, gate_weight, up_weight, down_weight)
     return tuple(t.new_empty(t.shape) if need else x.new_empty((0,)) for need, t in zip(needs, like))
+
+
+_tiled_grouped_mlp_backward_op = define_op(
+    "tiled_grouped_mlp_backward",
+    f"({_GRAD_OPERANDS}) -> (Tensor, Tensor, Tensor, Tensor)",
+    _backward_grads,
+    _fake_grads,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from tilecompile.kernels import tiled_mlp as mlp_kernels
+from tilecompile.kernels import tiled_mlp_reference as mlp_reference
 from tilecompile.ops import define_op
 
 __all__ = ["ACTIVATIONS", "GRAD_ACCUM", "chunk_size_for", "tiled_gated_mlp"]
@@ -221,7 +222,7 @@ def _tiled_gated_mlp_op(
             if fused:
                 mlp_kernels.fused_act_mul_(g, u, activation)
             else:
-                mlp_kernels.act_into(g, g, activation)
+                mlp_reference.act_into(g, g, activation)
                 g.mul_(u)
             _linear_into(g, down_weight, down_bias, out[s:e])
     return out.view(*x.shape[:-1], d_out)
@@ -377,11 +378,11 @@ def _backward_grads(grad_out, x, gate_weight, gate_bias, up_weight, up_bias, dow
                     h, du, dg = g, u, dh
                 if need_wd:
                     if not fused:
-                        h = mlp_kernels.act_into(g, t, activation).mul_(u)
+                        h = mlp_reference.act_into(g, t, activation).mul_(u)
                     _accumulate_mm(acc_wd[:, lo:hi], dyc.t(), h)
                 if need_du:
                     if not fused:
-                        du = mlp_kernels.act_into(g, t, activation).mul_(dh)
+                        du = mlp_reference.act_into(g, t, activation).mul_(dh)
                     if need_wu:
                         _accumulate_mm(acc_wu[lo:hi], du.t(), xc)
                     if need_bu:
@@ -390,7 +391,7 @@ def _backward_grads(grad_out, x, gate_weight, gate_bias, up_weight, up_bias, dow
                         _dx_add(dx_tile, du, wu_k, first=k == 0)
                 if need_dg:
                     if not fused:
-                        dg = mlp_kernels.act_backward_into(u.mul_(dh), g, u, activation)
+                        dg = mlp_reference.act_backward_into(u.mul_(dh), g, u, activation)
                     if need_wg:
                         _accumulate_mm(acc_wg[lo:hi], dg.t(), xc)
                     if need_bg:

@@ -1,0 +1,76 @@
+"""The plain-PyTorch side of ``kernels/tiled_mlp.py`` and ``kernels/tiled_grouped_mlp.py`` (their module docstrings
+have the math): the CPU implementation of both tiled MLP ops, and what their Triton kernels are checked against
+under ``TRITON_INTERPRET=1`` (tests/test_tiled_mlp_op.py, tests/test_moe_grouped.py).
+
+``act_into`` / ``act_backward_into`` write ``act(x)`` and ``grad * act'(x)`` into a given buffer (which may be one
+of the inputs); ``act_mul_reference`` / ``act_backward_reference`` are the grouped op's chunk step on a fused
+``gu`` = [g | u] with its optional row mask; ``accumulate_reference`` its weight-grad accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["accumulate_reference", "act_backward_into", "act_backward_reference", "act_into", "act_mul_reference"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the dense op's activation steps
+
+
+def act_into(src: Tensor, out: Tensor, activation: str) -> Tensor:
+    """out = act(src)."""
+    if activation == "silu":
+        return torch.ops.aten.silu.out(src, out=out)
+    if activation == "gelu":
+        return torch.ops.aten.gelu.out(src, approximate="none", out=out)
+    if activation == "gelu_tanh":
+        return torch.ops.aten.gelu.out(src, approximate="tanh", out=out)
+    return torch.clamp_min(src, 0, out=out)
+
+
+def act_backward_into(grad: Tensor, pre: Tensor, out: Tensor, activation: str) -> Tensor:
+    """out = grad * act'(pre)."""
+    if activation == "silu":
+        return torch.ops.aten.silu_backward.grad_input(grad, pre, grad_input=out)
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward.grad_input(grad, pre, approximate="none", grad_input=out)
+    if activation == "gelu_tanh":
+        return torch.ops.aten.gelu_backward.grad_input(grad, pre, approximate="tanh", grad_input=out)
+    return torch.ops.aten.threshold_backward.grad_input(grad, pre, 0, grad_input=out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the grouped op's chunk steps
+
+
+def act_mul_reference(gu: Tensor, mask: Tensor | None, activation: str) -> Tensor:
+    """h = act(g) * u of ``gu`` = [g | u] (zero-filled first on the rows of ``mask`` [rows, 1]); ``gu`` is left as
+    it is unless masked rows are zeroed in it."""
+    inter = gu.shape[1] // 2
+    if mask is not None:
+        gu.masked_fill_(mask, 0)
+    h = act_into(gu[:, :inter], torch.empty_like(gu[:, :inter]), activation)
+    return h.mul_(gu[:, inter:])
+
+
+def act_backward_reference(gu: Tensor, dh: Tensor, mask: Tensor | None, activation: str) -> None:
+    """In place: ``gu`` <- [dg | du], ``dh`` <- h; dg and du zero on the rows of ``mask`` (masked_fill's backward)."""
+    inter = gu.shape[1] // 2
+    if mask is not None:
+        gu.masked_fill_(mask, 0)
+    g, u = gu[:, :inter], gu[:, inter:]
+    a = act_into(g, torch.empty_like(g), activation)
+    du = a * dh
+    dg = act_backward_into(dh * u, g, torch.empty_like(g), activation)
+    torch.mul(a, u, out=dh)
+    g.copy_(dg)
+    u.copy_(du)
+    if mask is not None:
+        gu.masked_fill_(mask, 0)
+
+
+def accumulate_reference(acc: Tensor, part: Tensor, present: Tensor) -> None:
+    """acc += part (``part`` is zero for the experts not ``present``: adding them changes nothing)."""
+    acc.add_(part)
