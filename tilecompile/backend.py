@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import logging
 import pathlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -159,8 +160,10 @@ def cache_tag() -> str:
     """
     digest = hashlib.sha256()
     for pkg in ("tilecompile", "tilecompile.passes", "tilecompile.kernels"):  # tilecompile/ holds ops/
-        # find_spec reads where a package lives without the backend importing the package above it
-        for d in importlib.util.find_spec(pkg).submodule_search_locations:
+        # where each package lives, read without the backend importing the package above it: each is loaded by
+        # the time the backend is (it lives in the first and imports the others' modules); else from its spec
+        loaded = getattr(sys.modules.get(pkg), "__path__", None)
+        for d in loaded or importlib.util.find_spec(pkg).submodule_search_locations:
             for path in sorted(pathlib.Path(d).rglob("*.py")):  # the pass packages' stages included
                 digest.update(str(path.relative_to(d)).encode())
                 digest.update(path.read_bytes())

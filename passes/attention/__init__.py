@@ -324,6 +324,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result.consider(mask, candidate)
         path = fxgraph.module_path(direct[0]) if direct else ""
         if mask.op == "placeholder":  # the root graph's input, read by SDPA inside a checkpointed layer's body
+            path = next((p for u in mask.users if (p := fxgraph.module_path(u))), "")
             result.skip(mask, reporting.Skip(NAME, candidate, path, _INPUT_MASK_REASON))
             continue
         try:
