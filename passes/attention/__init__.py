@@ -322,11 +322,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         seq = (fxgraph.shape(mask) or (None,))[-1]  # checked against q and k at each use
         candidate = f"mask {mask.name}"
         result.consider(mask, candidate)
-        path = fxgraph.module_path(direct[0]) if direct else ""
         if mask.op == "placeholder":  # the root graph's input, read by SDPA inside a checkpointed layer's body
             path = next((p for u in mask.users if (p := fxgraph.module_path(u))), "")
             result.skip(mask, reporting.Skip(NAME, candidate, path, _INPUT_MASK_REASON))
             continue
+        path = fxgraph.module_path(direct[0]) if direct else ""
         try:
             spec = mask_algebra.analyze(mask, seq) if seq is not None else None
         except mask_algebra.NotIndexArithmetic as exc:

@@ -339,8 +339,8 @@ _GRAD_OPERANDS = (
 )
 
 
-def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, *settings):
-    activation, chunk_tokens, budget_mb, grad_accum, needs_grad, row_mask = (*settings, None)[:6]
+def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb,
+                    grad_accum, needs_grad, row_mask=None):  # fmt: skip
     need_x, need_wg, need_wu, need_wd = ([bool(v) for v in needs_grad] + [False] * 4)[:4]
     n, i = x.shape[0], gate_weight.shape[2]
     mask = _row_mask(row_mask)
@@ -403,8 +403,9 @@ def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, *
     return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd
 
 
-def _fake_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, *settings):
-    needs = ([bool(v) for v in settings[4]] + [False] * 4)[:4]
+def _fake_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb,
+                grad_accum, needs_grad, row_mask=None):  # fmt: skip
+    needs = ([bool(v) for v in needs_grad] + [False] * 4)[:4]
     like = (x, gate_weight, up_weight, down_weight)
     return tuple(t.new_empty(t.shape) if need else x.new_empty((0,)) for need, t in zip(needs, like))
 
