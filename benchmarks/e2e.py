@@ -106,12 +106,22 @@ FIELDS = [
 ROW, TRY = "ROW ", "TRY "  # a worker's lines: a result, the row it runs next (its fields before the step's)
 
 
-def _host_peak_gib() -> float | str:
-    """Peak pinned host memory in use over the timed steps (the offloaded checkpoints), from PyTorch's caching host
-    allocator; empty where this torch lacks its statistics."""
+def _host_peak_gib() -> float:
+    """Peak pinned host memory in use over the timed steps: the offload's pool (the offloaded checkpoints, exact
+    sizes) plus PyTorch's caching host allocator (other pinned tensors) where this torch has its statistics."""
+    from tilecompile.ops import offload
+
     stats = getattr(torch.cuda, "host_memory_stats", None)
-    value = stats().get("active_bytes.peak") if stats is not None else None
-    return "" if value is None else round(value / 2**30, 3)
+    other = (stats().get("active_bytes.peak") or 0) if stats is not None else 0
+    return round((offload.host_stats()["peak"] + other) / 2**30, 3)
+
+
+def _reset_host_peak() -> None:
+    from tilecompile.ops import offload
+
+    offload.reset_host_peak()
+    if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+        torch.cuda.reset_peak_host_memory_stats()
 
 
 def write_rows(path: str, rows: list[dict], fields: list[str], append: bool = False) -> pathlib.Path:
@@ -391,8 +401,7 @@ def worker(cfg: dict) -> None:
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-                if hasattr(torch.cuda, "reset_peak_host_memory_stats"):  # pinned host memory: offloaded checkpoints
-                    torch.cuda.reset_peak_host_memory_stats()
+                _reset_host_peak()  # pinned host memory: offloaded checkpoints
             times, loss = [], 0.0
             syncs = _host_syncs()
             for _ in range(cfg["repeats"]):

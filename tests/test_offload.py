@@ -192,3 +192,39 @@ def test_the_layers_not_offloaded_still_share_a_region(monkeypatch):
     outside = {s.module_path: s.reason for s in rep.skipped if s.pass_name == "layer_regions"}
     assert sorted(outside) == ["model.layers.0", "model.layers.1"]
     assert all("outside a region only" in r for r in outside.values())
+
+
+def test_the_host_pool_takes_exact_sizes_and_reuses_free_blocks():
+    """The pinned pool (on a CPU with pinning a no-op, recorded): a block is exactly the bytes asked for (PyTorch's
+    caching host allocator would round 3 MiB up to 4), is handed out again only once nothing holds it, the smallest
+    free block that fits serves a request, and a longer step's request drops the shorter step's free blocks (after
+    the copies drain) instead of holding both."""
+    from tilecompile.ops.offload import HostPool
+
+    pinned, drained = {}, []
+    pool = HostPool(lambda ptr, n: pinned.__setitem__(ptr, n), lambda ptr: pinned.pop(ptr), lambda: drained.append(1))
+    shape = torch.Size([3, 512, 1024])  # 3 MiB of fp16
+    a = pool.take(shape, torch.float16)
+    b = pool.take(shape, torch.float16)
+    assert a.shape == shape and a.dtype == torch.float16 and a.is_contiguous()
+    assert sorted(pinned.values()) == [3 * 2**20] * 2 and pool.held() == 6 * 2**20 == pool.in_use()
+    a.fill_(1.0)
+    b.fill_(2.0)  # two blocks: writing one leaves the other
+    assert a.eq(1).all() and a.data_ptr() != b.data_ptr()
+    saved = a.detach()  # what autograd holds: another tensor on the same storage
+    ptr_a = a.data_ptr()
+    del a
+    c = pool.take(shape, torch.float16)
+    assert c.data_ptr() not in (ptr_a, b.data_ptr()) and len(pinned) == 3  # a's block is still held (saved)
+    del saved
+    d = pool.take(torch.Size([2, 512, 1024]), torch.float16)  # 2 MiB: a's free 3 MiB block serves it
+    assert d.data_ptr() == ptr_a and len(pinned) == 3 and pool.peak == 9 * 2**20 and not drained
+    del b, c, d
+    assert pool.in_use() == 0
+    e = pool.take(torch.Size([4, 512, 1024]), torch.float16)  # longer: the three free 3 MiB blocks go first
+    assert drained and list(pinned.values()) == [4 * 2**20] and pool.held() == 4 * 2**20
+    pool.reset_peak()
+    assert pool.peak == 4 * 2**20
+    del e
+    pool.release()
+    assert not pinned and pool.held() == 0
