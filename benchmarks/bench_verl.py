@@ -27,10 +27,11 @@ On one H200 the default run (2 methods, 28 layers) should take 4-6 minutes; ``--
 The GPU machine has no network: verl and what importing its engine needs travel as wheels (python 3.12, manylinux),
 installed without dependencies into .site; torch, triton, accelerate, peft, datasets, huggingface_hub, tokenizers and
 safetensors come from the image. TRL 0.29.1 is there because verl's monkey patch imports TRL's value-head model when
-TRL is installed, which TRL 1.x removed; transformers 5.10.4 because verl 0.9.1 pins transformers < 5.11. The same
+TRL is installed, which TRL 1.x removed; transformers 5.10.4 because verl 0.9.1 pins transformers < 5.11, and
+tokenizers 0.22.2 because transformers 5.10.4 checks for tokenizers <= 0.23.0 at import (the image's is 0.23.2). The same
 versions as .ci/compat's verl venv, where tests/test_verl.py passes. ray is left out: its wheel (79 MB) is more than
 the GPU machine takes along (64 MiB), and one process never calls it; verl/__init__.py and verl's worker module import
-it, so where ray is not installed ``stub_ray`` stands in for it at import time. Here (27 wheels, about 19 MB):
+it, so where ray is not installed ``stub_ray`` stands in for it at import time. Here (28 wheels, about 27 MB):
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -39,7 +40,7 @@ it, so where ray is not installed ``stub_ray`` stands in for it at import time. 
       lazy-importer==0.1.0 zipp==4.1.2 codetiming==1.4.0 omegaconf==2.4.0 msgpack==1.2.4 click==8.5.1 \
       jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 \
       pillow==13.0.0 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1 charset-normalizer==3.5.3 \
-      pyyaml==6.0.4 protobuf==7.36.2 trl==0.29.1 transformers==5.10.4
+      pyyaml==6.0.4 protobuf==7.36.2 trl==0.29.1 transformers==5.10.4 tokenizers==0.22.2
 
 Then on the GPU machine, with .whl sent along with the working tree (the device tool's ``carry=[".whl"]``):
 
