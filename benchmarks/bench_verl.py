@@ -29,10 +29,10 @@ installed without dependencies into .site; torch, triton, accelerate, peft, data
 safetensors come from the image. TRL 0.29.1 is there because verl's monkey patch imports TRL's value-head model when
 TRL is installed, which TRL 1.x removed; transformers 5.10.4 because verl 0.9.1 pins transformers < 5.11, and
 tokenizers 0.22.2 because transformers 5.10.4 checks for tokenizers <= 0.23.0 at import (the image's is 0.23.2).
-The same
-versions as .ci/compat's verl venv, where tests/test_verl.py passes. ray is left out: its wheel (79 MB) is more than
-the GPU machine takes along (64 MiB), and one process never calls it; verl/__init__.py and verl's worker module import
-it, so where ray is not installed ``stub_ray`` stands in for it at import time. Here (28 wheels, about 27 MB):
+The same versions as .ci/compat's verl venv, where tests/test_verl.py passes. ray is left out: its wheel (79 MB) is
+more than the GPU machine takes along (64 MiB), and one process never calls it; verl/__init__.py and verl's worker
+module import it, so where ray is not installed ``stub_ray`` stands in for it at import time. Here (28 wheels, about
+27 MB):
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
