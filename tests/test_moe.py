@@ -102,6 +102,7 @@ def test_hf_moe_experts_tiled_and_equal_eager(kind, implementation, batch, lengt
         assert r.shapes["x"] == (rows, 16) and r.shapes["gate_up_weight"] == (4, 48, 16), r.shapes
         assert r.shapes["gate_weight"] == (4, 16, 24) and r.shapes["down_weight"] == (4, 24, 16), r.shapes
         assert f"experts=4 {form}" in r.detail and "fused=gate_up" in r.detail and "chunk_tokens=3" in r.detail, r
+        assert "row_weight=" in r.detail and "row_weight=none" not in r.detail, r  # the routing weights taken in
 
 
 def test_hf_moe_under_activation_checkpointing():
@@ -116,6 +117,66 @@ def test_hf_moe_under_activation_checkpointing():
     assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
     assert sorted(r.module_path for r in _rewrites()) == EXPERT_PATHS, tilecompile.report()
     assert not _skips(), tilecompile.report()
+
+
+def _graphs_of_step(monkeypatch, model, ids):
+    """The forward and backward graphs AOTAutograd makes of the compiled step (min-cut partition, as aot_eager),
+    and the step's logits."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from tilecompile import backend
+
+    graphs = {"fw": [], "bw": []}
+
+    def keep(into):
+        return lambda g, _inputs: into.append(g) or make_boxed_func(g.forward)
+
+    def inner(gm, example_inputs, *_):
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=keep(graphs["fw"]), bw_compiler=keep(graphs["bw"]),
+            partition_fn=min_cut_rematerialization_partition,
+        )  # fmt: skip
+
+    monkeypatch.setattr(backend, "inner_compile", inner)
+    return graphs, _step(_compile(model), ids)
+
+
+def _op_calls(graphs, name: str) -> int:
+    """Nodes calling ``tilecompile::name`` in the graphs and their submodules (a layer region's compiled body)."""
+    modules = [m for g in graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)]
+    return sum(str(n.target) == f"tilecompile.{name}.default" for m in modules for n in m.graph.nodes)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_routing_weight_taken_in_so_checkpointing_recomputes_no_expert_forward(monkeypatch, implementation):
+    """HF multiplies the experts' output by the routing weights; the op takes that multiply in (``row_weight``), so
+    its output is needed by no backward: under activation checkpointing the backward graph runs only the op's
+    backward, not its forward again (left outside, the multiply's weight grad needs the op's output, and the
+    recompute reruns the whole op: 28 instead of 22 S·D·I FLOPs). Loss and grads, the router's included, equal
+    eager's. With the fold switched off (``routing_weight`` returning None) the recompute comes back."""
+    from tilecompile.passes.mlp import experts
+
+    ids = torch.randint(0, VOCAB, (2, 7))
+    for fold in (True, False):
+        torch._dynamo.reset()  # the second model would reuse the first's compiled graph
+        tilecompile.reset()
+        if not fold:
+            monkeypatch.setattr(experts, "routing_weight", lambda m: None)
+        model = _model("qwen3_moe")
+        model.set_experts_implementation(implementation)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ref = copy.deepcopy(model)
+        graphs, out = _graphs_of_step(monkeypatch, model, ids)
+        assert_close(out, _step(ref, ids), rtol=RTOL, atol=ATOL, name="logits")
+        assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
+        rewrites = _rewrites()
+        assert sorted(r.module_path for r in rewrites) == EXPERT_PATHS, tilecompile.report()
+        assert all(("row_weight=none" in r.detail) != fold for r in rewrites), [r.detail for r in rewrites]
+        # one node per layer, or one for both where the identical layers share a compiled region
+        calls = _op_calls(graphs["fw"], "tiled_grouped_mlp")
+        assert calls in (1, 2) and _op_calls(graphs["bw"], "tiled_grouped_mlp_backward") == calls
+        assert _op_calls(graphs["bw"], "tiled_grouped_mlp") == (0 if fold else calls), graphs["bw"]
 
 
 def test_dynamic_lengths_compile_once():
@@ -530,11 +591,12 @@ class _SentinelExperts(torch.nn.Module):
     ``num_experts`` are rows routed to experts on other ranks. transformers 5.17 runs this code always, 5.24 under
     ``_is_expert_parallel``: the sort puts the sentinels at the tail, ``histc`` leaves them out of the offsets, ``x``
     is zero-filled in place, the gate_up output zero-filled before the gate, the down output after. float64 through
-    HF's fallback grouped_mm (what HF calls for non-bf16 weights under Dynamo)."""
+    HF's fallback grouped_mm (what HF calls for non-bf16 weights under Dynamo). ``expose_rows``: the masked down
+    output is returned too (a second reader: the routing-weight multiply then stays outside the op)."""
 
-    def __init__(self, experts=4, d=6, inter=5) -> None:
+    def __init__(self, experts=4, d=6, inter=5, expose_rows=True) -> None:
         super().__init__()
-        self.num_experts = experts
+        self.num_experts, self.expose_rows = experts, expose_rows
         self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inter, d, dtype=torch.float64) / 2)
         self.down_proj = torch.nn.Parameter(torch.randn(experts, d, inter, dtype=torch.float64) / 2)
 
@@ -554,16 +616,20 @@ class _SentinelExperts(torch.nn.Module):
         weighted = proj * sample_weights_g.unsqueeze(-1)
         inv_perm = torch.empty_like(perm)
         inv_perm[perm] = torch.arange(perm.size(0))
-        return weighted[inv_perm].view(tokens, top_k, -1).sum(dim=1), proj, sentinel_mask
+        out = weighted[inv_perm].view(tokens, top_k, -1).sum(dim=1)
+        return out, (proj if self.expose_rows else None), sentinel_mask
 
 
+@pytest.mark.parametrize("expose_rows", [True, False], ids=["rows_read", "weight_taken_in"])
 @pytest.mark.parametrize("sentinels", [0, 5], ids=["no_sentinel", "sentinels"])
-def test_sentinel_masked_experts_tiled_float64(sentinels):
+def test_sentinel_masked_experts_tiled_float64(sentinels, expose_rows):
     """The experts read through the sentinel zero fill and tiled (the mask handed to the op): one graph (HF 5.17's
     fallback backward, whose ``.tolist()`` cannot be traced, no longer in it), output and every grad equal eager in
-    float64, the sentinel rows zero in the output and in the hidden states' grad."""
+    float64, the sentinel rows zero in the output and in the hidden states' grad. Where nothing else reads the
+    masked down output, the routing-weight multiply after the post-mask goes into the op (``row_weight``), the
+    routing weights' grad from the op's backward."""
     torch.manual_seed(4)
-    model = _SentinelExperts()
+    model = _SentinelExperts(expose_rows=expose_rows)
     ref = copy.deepcopy(model)
     tokens, top_k = 9, 2
     hidden = torch.randn(tokens, 6, dtype=torch.float64, requires_grad=True)
@@ -574,8 +640,10 @@ def test_sentinel_masked_experts_tiled_float64(sentinels):
     out, rows, mask = _compile(model)(hidden, index, weights)
     expected, expected_rows, _ = ref(hidden, index, weights)
     assert_close(out, expected, rtol=1e-12, atol=1e-12, name="out")
-    assert_close(rows, expected_rows, rtol=1e-12, atol=1e-12, name="expert rows")
-    assert int(mask.sum()) == sentinels and not rows[mask.squeeze(-1)].any()
+    if expose_rows:
+        assert_close(rows, expected_rows, rtol=1e-12, atol=1e-12, name="expert rows")
+        assert not rows[mask.squeeze(-1)].any()
+    assert int(mask.sum()) == sentinels
     dy = torch.randn_like(out)
     ours = torch.autograd.grad(out, (hidden, weights, *model.parameters()), dy)
     theirs = torch.autograd.grad(expected, (hidden, weights, *ref.parameters()), dy)
@@ -587,6 +655,7 @@ def test_sentinel_masked_experts_tiled_float64(sentinels):
     assert rep.graphs == 1 and rep.counts["tiled_mlp"] == 1 and not _skips(), rep
     (r,) = _rewrites()
     assert "row_mask=sentinel_mask" in r.detail and "fused=gate_up" in r.detail, r.detail
+    assert ("row_weight=none" in r.detail) == expose_rows, r.detail
 
 
 class _RowMaskedExperts(torch.nn.Module):

@@ -7,6 +7,7 @@ where reading a value raises; on a GPU under ``torch.cuda.set_sync_debug_mode("e
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -37,8 +38,9 @@ def _inputs(dtype=torch.float32, rows=100, d=16, inter=24, experts=5, device="cp
     return x, gate_up, down, offsets
 
 
-def _reference(x, gate_up, down, offsets, activation="silu", row_mask=None):
-    """float64 per-expert loop; rows past offsets[-1] zero; ``row_mask`` [S, 1] zero-fills the gate_up output."""
+def _reference(x, gate_up, down, offsets, activation="silu", row_mask=None, row_weight=None):
+    """float64 per-expert loop; rows past offsets[-1] zero; ``row_mask`` [S, 1] zero-fills the gate_up output;
+    ``row_weight`` [S, 1] multiplies the output after it (HF's routing weights)."""
     x, gate_up, down = (t.double() for t in (x, gate_up, down))
     out, lo = [], 0
     for e, hi in enumerate(offsets.tolist()):
@@ -49,7 +51,8 @@ def _reference(x, gate_up, down, offsets, activation="silu", row_mask=None):
         out.append(F.linear(ACTS[activation](g) * u, down[e]))
         lo = hi
     out.append(x.new_zeros((x.shape[0] - lo, down.shape[1])))
-    return torch.cat(out)
+    out = torch.cat(out)
+    return out if row_weight is None else out * row_weight.double()
 
 
 def _tiled(x, gate_up, down, offsets, separate=False, **kw):
@@ -100,6 +103,52 @@ def test_grouped_path_equals_float64_reference(grouped_only, chunk, grad_accum, 
     assert not ours[1][0].any() and not ours[1][2].any() and not ours[2][0].any()
     if masked:
         assert not out[mask.squeeze(1)].any() and not ours[0][mask.squeeze(1)].any()
+
+
+@pytest.mark.parametrize("path", ["grouped", "loop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [0, 7, 32])
+@pytest.mark.parametrize("shape", ["S1", "S"])
+def test_row_weight_equals_float64_reference(monkeypatch, path, dtype, chunk, shape):
+    """``row_weight`` (the routing weights taken into the op): the output times each row's weight, and the weight's
+    own grad, against the float64 reference, with a row mask; rows past the last offset and masked rows get zero
+    weight grad. fp64 runs the loop path only (grouped_mm takes no fp64)."""
+    if dtype is torch.float64 and path == "grouped":
+        pytest.skip("grouped_mm has no float64")
+    monkeypatch.setattr(grouped_op, "USE_GROUPED", path == "grouped")
+    x, gate_up, down, offsets = (t.detach().to(dtype) if t.is_floating_point() else t for t in _inputs())
+    for t in (x, gate_up, down):
+        t.requires_grad_()
+    g = torch.Generator().manual_seed(4)
+    weight = torch.rand(x.shape[0], 1, generator=g).to(dtype).requires_grad_()
+    mask = torch.zeros(x.shape[0], 1, dtype=torch.bool)
+    mask[[0, 19, 33, 97]] = True
+    passed = weight if shape == "S1" else weight.squeeze(1)
+    out = _tiled(x, gate_up, down, offsets, chunk_tokens=chunk, row_mask=mask, row_weight=passed)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (x, gate_up, down, weight)]
+    expected = _reference(*ref_inputs[:3], offsets, row_mask=mask, row_weight=ref_inputs[3])
+    tol = 1e-12 if dtype is torch.float64 else 1e-5
+    assert_close(out, expected, rtol=tol, atol=tol, name="out")
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    ours = _grads(out, (x, gate_up, down, weight), dy.to(dtype))
+    theirs = _grads(expected, ref_inputs, dy.double())
+    for name, a, b in zip(("x", "gate_up", "down", "row_weight"), ours, theirs):
+        assert_close(a, b, rtol=10 * tol, atol=10 * tol, name=f"grad of {name}")
+    dw = ours[3].squeeze(1)
+    assert dw[mask.squeeze(1)].eq(0).all() and dw[94:].eq(0).all() and dw[1:19].ne(0).all()
+
+
+def test_row_weight_opcheck_and_bad_weights():
+    x, gate_up, down, offsets = _inputs()
+    w = gate_up.transpose(-2, -1)
+    args = (x, offsets, w[..., :24], w[..., 24:], down.transpose(-2, -1))
+    weight = torch.rand(x.shape[0], 1, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.tilecompile.tiled_grouped_mlp.default, (*args, "silu", 16, 256, "fp32", None, weight)
+    )
+    for bad, said in ((weight.double(), "x's dtype"), (torch.rand(x.shape[0], 2), "[S, 1] or [S]")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            tiled_grouped_mlp(*args, row_weight=bad)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
@@ -171,7 +220,8 @@ def test_grouped_path_is_taken_only_where_grouped_mm_fits():
 
 def test_grouped_path_makes_no_host_sync():
     """The grouped path's forward and backward run under fake tensors, where any read of a value on the host
-    (``item``, ``tolist``, ``nonzero``, a data-dependent shape) raises; a chunked call with a row mask."""
+    (``item``, ``tolist``, ``nonzero``, a data-dependent shape) raises; a chunked call with a row mask and a row
+    weight."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -180,15 +230,16 @@ def test_grouped_path_makes_no_host_sync():
         down = torch.empty(6, 32, 48, dtype=torch.bfloat16)
         offsets = torch.empty(6, dtype=torch.int64)
         mask = torch.empty(300, 1, dtype=torch.bool)
+        row_weight = torch.empty(300, 1, dtype=torch.bfloat16)
         w = gate_up.transpose(-2, -1)
         gate, up, wd = w[..., :48], w[..., 48:], down.transpose(-2, -1)
         with pytest.raises(torch._subclasses.fake_tensor.DataDependentOutputException):
             offsets.tolist()  # what the loop path does: it would raise here
-        out = grouped_op._grouped_forward(x, offsets, gate, up, wd, "silu", 64, mask)
-        needs = (True, True, True, True)
-        grads = grouped_op._grouped_backward(out, x, offsets, gate, up, wd, "silu", 64, "fp32", needs, mask)
+        out = grouped_op._grouped_forward(x, offsets, gate, up, wd, "silu", 64, mask, row_weight)
+        needs = (True, True, True, True, True)
+        grads = grouped_op._grouped_backward(out, x, offsets, gate, up, wd, "silu", 64, "fp32", needs, mask, row_weight)
     assert out.shape == (300, 32) and [tuple(g.shape) for g in grads] == [(300, 32), (6, 32, 48), (6, 32, 48),
-                                                                          (6, 48, 32)]  # fmt: skip
+                                                                          (6, 48, 32), (300, 1)]  # fmt: skip
 
 
 @pytest.mark.gpu

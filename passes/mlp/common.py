@@ -106,10 +106,12 @@ def region(end: fx.Node, leaves: set[fx.Node]) -> frozenset[fx.Node]:
     return frozenset(found)
 
 
-def replace(graph: fx.Graph, m: Gated, new_nodes: list[fx.Node], out: fx.Node) -> None:
-    """``out`` (the op's result) replaces the region's end, ``m.down.node``: the new nodes take the region's module
-    stack and the end's stack trace, and the region's nodes go."""
-    end, stack = m.down.node, common_stack(m.region)
+def replace(graph: fx.Graph, m: Gated, new_nodes: list[fx.Node], out: fx.Node, end: fx.Node | None = None,
+            also: frozenset[fx.Node] = frozenset()) -> None:  # fmt: skip
+    """``out`` (the op's result) replaces the region's end, ``m.down.node`` (or ``end``, a node after it that the op
+    took in, ``also`` the nodes between): the new nodes take the region's module stack and the end's stack trace,
+    and the region's nodes go."""
+    end, stack = end if end is not None else m.down.node, common_stack(m.region)
     for node in new_nodes:
         if stack:
             node.meta["nn_module_stack"] = dict(stack)
@@ -117,7 +119,7 @@ def replace(graph: fx.Graph, m: Gated, new_nodes: list[fx.Node], out: fx.Node) -
             node.meta["stack_trace"] = end.meta["stack_trace"]
     expect(out, fxgraph.example_value(end))
     end.replace_all_uses_with(out)
-    erase_dead(graph, m.region)
+    erase_dead(graph, m.region | also)
 
 
 def erase_dead(graph: fx.Graph, nodes: frozenset[fx.Node]) -> None:

@@ -23,10 +23,17 @@ HF's ``experts_implementation="batched_mm"`` gathers each row's expert weights i
 same op, with the rows sorted into groups around it (``argsort(ids)``, offsets from the counts, the rows gathered
 in that order, the op's output put back in row order).
 
-What stays outside the op: the routing (top-k, sort, the gather of the rows), the routing-weight multiply and the
-un-permute + sum back to tokens. They are [S, D]-sized (no [S, I] intermediate), so tiling them saves nothing; left
-in the graph, the router's gradient is ordinary autograd, and the op keeps ``grouped_mm``'s meaning (a
-per-expert MLP of grouped rows), whatever a model does with its output.
+The routing-weight multiply: HF scales the experts' output by each row's routing weight, ``proj_out *
+sample_weights_g.unsqueeze(-1)`` (after the expert-parallel post-mask when there is one). Where that product is the
+output's only reader (``routing_weight``: [S, 1] weights in the compute dtype, the post-mask the op's own row mask),
+the op takes the weights in as ``row_weight`` and returns their grad itself. Left outside, the multiply's backward
+needs the op's output for the weights' grad: without checkpointing that saves an [S, D] tensor per layer, and under
+checkpointing the recompute has to run the whole op forward again only to make it (28 instead of 22 S·D·I FLOPs,
+against 24 for the experts left alone and recomputed). The report's ``row_weight=`` says which happened.
+
+What stays outside the op: the routing (top-k, sort, the gather of the rows) and the un-permute + sum back to
+tokens. They are [S, D]-sized (no [S, I] intermediate), so tiling them saves nothing; the router's gradient up to
+its weights is ordinary autograd.
 
 Checks, each a reason when it says no: ``mlp_experts`` on; the same rows and the same offsets (or expert ids) feed
 every projection; the weights are graph inputs; shapes chain ([S, D] rows, [E, D, I] gate and up, [E, I, D_out]
@@ -42,8 +49,9 @@ holds, during its backward, its fp32 weight-grad accumulators (``grad_accum="fp3
 grad and the chunk's buffers (``mlp_chunk_budget_mb``). Inside a checkpoint body one layer's activations are held at
 a time, so the layer's own saved bytes are compared with that; in the root graph (no checkpointing) every expert
 MLP of the graph holds its activations until its backward, so their sum is. The op also costs time (it recomputes
-the gate/up GEMM: 22 instead of 18 S·D·I FLOPs), so experts whose saved bytes do not exceed the op's are left
-alone with the two numbers as the reason; ``mlp_min_tokens=0`` tiles them anyway. Sizes are read at their hints
+the gate/up GEMM: 22 instead of 18 S·D·I FLOPs without checkpointing; its chunked GEMMs run slower than whole
+ones), so experts whose saved bytes do not exceed the op's are left alone with the two numbers as the reason;
+``mlp_min_tokens=0`` tiles them anyway. Sizes are read at their hints
 (no guard): a dynamic-shape graph keeps the choice made at its first length.
 
 Every grouped matmul the pass does not take into a rewrite gets a reason too (no silent miss), and so does a down
@@ -127,6 +135,16 @@ class GroupedMLP(common.Gated):
     def mask(self) -> fx.Node | None:
         """The row mask of gate and up (``check_row_mask`` makes them one)."""
         return self.gate.mask
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingWeight:
+    """``down * w`` after the experts (or ``masked_fill(down, row_mask, 0) * w``), ``w`` [S, 1] in the compute
+    dtype: the op takes ``w`` as its ``row_weight`` and its output replaces ``mul``; ``nodes`` go with the region."""
+
+    mul: fx.Node
+    weight: fx.Node
+    nodes: frozenset[fx.Node]
 
 
 # ------------------------------------------------------------------------------------------------------ find
@@ -309,6 +327,37 @@ def _gathered_expert_weight(node: object) -> bool:
     )
 
 
+def routing_weight(m: GroupedMLP) -> RoutingWeight | None:
+    """The routing-weight multiply that reads the experts' output and nothing else does (HF's ``proj_out *
+    sample_weights_g.unsqueeze(-1)``, through the expert-parallel post-mask ``masked_fill(proj_out, sentinel_mask,
+    0)`` when its mask is the op's row mask: the op's output is already zero on those rows), or None."""
+    down = m.down.node
+    if len(down.users) != 1:
+        return None
+    (user,) = down.users
+    source, nodes = down, set()
+    fill = as_zero_fill(user)
+    if fill is not None:
+        if fill[0] is not down or m.mask is None or fill[1] is not m.mask or len(user.users) != 1:
+            return None
+        source, nodes = user, {user}
+        (user,) = user.users
+    if fxgraph.op(user) != "mul" or len(user.args) != 2 or user.kwargs:
+        return None
+    a, b = user.args
+    w = b if a is source else a if b is source else None
+    if not isinstance(w, fx.Node) or w is source:
+        return None
+    rows, shape, dtype = (fxgraph.shape(m.x) or (None,))[0], fxgraph.shape(w), fxgraph.dtype(down)
+    if rows is None or shape is None or len(shape) != 2 or not fxgraph.same_size(shape[0], rows):
+        return None
+    if not fxgraph.same_size(shape[1], 1) or fxgraph.dtype(w) != dtype or fxgraph.dtype(user) != dtype:
+        return None  # another shape broadcasts differently; another dtype promotes the product
+    if not fxgraph.same_shape(fxgraph.shape(user), fxgraph.shape(down)):
+        return None
+    return RoutingWeight(user, w, frozenset(nodes | {user}))
+
+
 # ----------------------------------------------------------------------------------------------------- check
 
 
@@ -473,7 +522,9 @@ def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> reporting.Re
         return add(operator.getitem, w, (Ellipsis, slice(p.start, p.stop))) if p.sliced else w
 
     s = ctx.settings
-    with graph.inserting_before(end):
+    fold = routing_weight(m)
+    # after the multiply's operands: the weight's unsqueeze may come after the down projection
+    with graph.inserting_before(fold.mul if fold is not None else end):
         gate_w, up_w = weight(m.gate), weight(m.up)
         down_w = m.down.weight if m.down.form == "grouped" else add("transpose", m.down.weight, -2, -1, method=True)
         x, offsets = m.x, m.down.offs
@@ -487,16 +538,22 @@ def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> reporting.Re
         mask = m.mask
         if mask is not None and m.down.form == "gathered":
             mask = add(operator.getitem, mask, perm)
+        row_weight = fold.weight if fold is not None else None
+        if row_weight is not None and m.down.form == "gathered":
+            row_weight = add(operator.getitem, row_weight, perm)
         args = (x, offsets, gate_w, up_w, down_w, m.act.kind, s.mlp_chunk_tokens, s.mlp_chunk_budget_mb)
-        tiled = add(torch.ops.tilecompile.tiled_grouped_mlp.default, *args, s.mlp_grad_accum, mask)
+        tiled = add(torch.ops.tilecompile.tiled_grouped_mlp.default, *args, s.mlp_grad_accum, mask, row_weight)
         out = tiled
         if m.down.form == "gathered":
             out = add(operator.getitem, tiled, add(torch.argsort, perm))
-    common.replace(graph, m, new_nodes, out)
-    return _record(m, s)
+    if fold is None:
+        common.replace(graph, m, new_nodes, out)
+    else:
+        common.replace(graph, m, new_nodes, out, end=fold.mul, also=fold.nodes)
+    return _record(m, s, fold)
 
 
-def _record(m: GroupedMLP, s) -> reporting.Rewrite:
+def _record(m: GroupedMLP, s, fold: RoutingWeight | None) -> reporting.Rewrite:
     """Shapes of the op's operands ([E, in, out]), and of the stacked gate_up parameter as it is stored."""
     experts = fxgraph.shape(m.down.weight)[0]
     shapes = {"x": fxgraph.shape(m.x), "out": fxgraph.shape(m.down.node)}
@@ -519,6 +576,10 @@ def _record(m: GroupedMLP, s) -> reporting.Rewrite:
     )
     if m.mask is not None:
         detail += f" row_mask={m.mask.name} (its rows' gate and up zero-filled in the op)"
+    if fold is not None:
+        detail += f" row_weight={fold.weight.name} (the routing-weight multiply {fold.mul.name} taken into the op)"
+    else:
+        detail += " row_weight=none (no routing-weight multiply of the output alone: it stays in the graph)"
     return reporting.Rewrite(NAME, common.path(m.region), shapes, dtypes, detail)
 
 

@@ -46,6 +46,7 @@ import torch
 
 from tilecompile.ops import define_op
 
+
 class HostPool:
     """Host blocks of exact sizes, reused once free (see the module's docstring). ``pin(ptr, nbytes)`` and
     ``unpin(ptr)`` register and unregister a block (on a CPU, for the tests, they may do nothing); ``drain()`` waits

@@ -13,6 +13,13 @@ always, 5.18+ under expert parallelism): the op zeroes a masked row's ``g`` and 
 masked_fill's backward) before they reach ``dx`` and the gate/up weight grads. Any row may be masked, inside an
 expert's group or past ``offsets[-1]``; no host sync (elementwise fills of slices).
 
+``row_weight`` (optional, [S, 1] or [S], x's dtype) scales each row's output: ``y = (h Wd[e]) * w``, the routing
+weight multiply HF writes after the down projection (``proj_out * sample_weights_g.unsqueeze(-1)``), in eager's
+rounding order (the product rounded, then scaled). Inside the op, its backward needs only what the op saves; left
+outside, the multiply's backward needs the op's output ([S, D] saved per layer), and under activation checkpointing
+the recompute has to run the whole op forward again to make it. Its grad is ``dw = Σ_j dy·(h Wd) = Σ_k (dy Wdᵀ)·h``
+per row (the second form needs no GEMM: ``dy Wdᵀ`` is the backward's ``dh`` before scaling), summed in fp32.
+
 Forward, for each expert and each chunk of its rows: ``g = xc Wg[e]``, ``u = xc Wu[e]`` (masked rows zeroed),
 ``h = act(g) * u``, ``y = h Wd[e]``. Saved for backward: ``x``, ``offsets``, the weights and the row mask, never an
 [S, I] tensor.
@@ -25,7 +32,8 @@ rows zeroed), then
     dg = dh * u * act'(g)          dWg[e] += xcᵀ dg
     dx = du Wu[e]ᵀ + dg Wg[e]ᵀ
 
-with ``du`` and ``dg`` zero on masked rows.
+with ``du`` and ``dg`` zero on masked rows; with a row weight, ``dw = Σ_k dh·h`` first, then ``dh *= w`` and
+``dWd[e] += (h * w)ᵀ dy``.
 
 Weight grads accumulate across chunks in fp32 (``grad_accum="fp32"``; fp64 stays fp64) or in the parameter dtype
 (``"param"``) and are returned from the backward op, one per weight input (gate and up may be two views of one
@@ -63,6 +71,9 @@ Two paths, the same math:
 
 FLOPs (forward + backward, S routed rows): 2·S·D·I·(3 forward + 2 recompute + 6 backward) = 22·S·D·I against
 18·S·D·I for ``grouped_mm`` unchunked (which saves [S, 2I] and [S, I] activations instead of recomputing them).
+Under activation checkpointing the unchunked experts' forward runs twice (24·S·D·I); the op's need not, where
+nothing but the op's backward reads what it saves (so ``row_weight``: the routing-weight multiply's backward would
+need the output), and stays at 22.
 """
 
 from __future__ import annotations
@@ -79,7 +90,7 @@ __all__ = ["tiled_grouped_mlp"]
 
 
 def _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens=0, budget_mb=256,
-           grad_accum="fp32", row_mask=None):  # fmt: skip
+           grad_accum="fp32", row_mask=None, row_weight=None):  # fmt: skip
     """The forward's operands as the schema (``_OPERANDS``) takes them, its defaults too (the dispatcher leaves off
     trailing arguments equal to their defaults): a ValueError naming what is wrong."""
     name = "tiled_grouped_mlp"
@@ -111,11 +122,18 @@ def _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_to
             f"{name}: row_mask must be a bool [S, 1] or [S] mask of x's rows, got {row_mask.dtype} "
             f"{tuple(row_mask.shape)} for x {tuple(x.shape)}"
         )
+    if row_weight is not None and (
+        row_weight.dtype != x.dtype or tuple(row_weight.shape) not in ((x.shape[0], 1), (x.shape[0],))
+    ):
+        raise ValueError(
+            f"{name}: row_weight must be an [S, 1] or [S] weight per row of x in x's dtype, got {row_weight.dtype} "
+            f"{tuple(row_weight.shape)} for x {x.dtype} {tuple(x.shape)}"
+        )
 
 
-def _row_mask(row_mask: Tensor | None) -> Tensor | None:
-    """The mask as [S, 1], a view that broadcasts over a chunk's columns."""
-    return None if row_mask is None else row_mask.reshape(-1, 1)
+def _rows(t: Tensor | None) -> Tensor | None:
+    """A row mask or row weight as [S, 1], a view that broadcasts over a chunk's columns."""
+    return None if t is None else t.reshape(-1, 1)
 
 
 def _bounds(offsets: Tensor, rows: int) -> list[tuple[int, int]]:
@@ -214,7 +232,7 @@ def _gate_up(xc: Tensor, local: Tensor, fused: Tensor | None, gate_weight: Tenso
     return torch.cat((torch._grouped_mm(xc, gate_weight, local), torch._grouped_mm(xc, up_weight, local)), dim=1)
 
 
-def _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk, mask) -> Tensor:
+def _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk, mask, weight) -> Tensor:
     n, d_out = x.shape[0], down_weight.shape[2]
     out = x.new_empty((n, d_out))
     zero = x.new_zeros(())
@@ -223,8 +241,11 @@ def _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation
         gu = _gate_up(x[s:t], local, fused, gate_weight, up_weight)
         h = _act_mul(gu, None if mask is None else mask[s:t], activation)
         del gu
+        y = torch._grouped_mm(h, down_weight, local)
+        if weight is not None:  # eager's order: the product rounded, then scaled
+            y.mul_(weight[s:t])
         # grouped_mm leaves rows past offsets[-1] undefined: the op's are zero
-        torch.where(valid, torch._grouped_mm(h, down_weight, local), zero, out=out[s:t])
+        torch.where(valid, y, zero, out=out[s:t])
     return out
 
 
@@ -237,13 +258,14 @@ def _add_grad(grads: dict, key: str, part: Tensor, present: Tensor) -> None:
 
 
 def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk, grad_accum,
-                      needs, mask):  # fmt: skip
-    need_x, need_wg, need_wu, need_wd = needs
+                      needs, mask, weight):  # fmt: skip
+    need_x, need_wg, need_wu, need_wd, need_w = needs
     n, i = x.shape[0], gate_weight.shape[2]
     fused = _fused_gate_up(gate_weight, up_weight)
     chunks = -(-n // chunk)
     zero = x.new_zeros(())
     dx = x.new_empty(x.shape) if need_x else None
+    dw = weight.new_empty(weight.shape) if need_w else None
     # one chunk: grouped_mm's weight grads are the grads (accumulated in fp32 inside the GEMM, as unchunked);
     # several: each chunk's grad is added into an accumulator, for the experts with rows in the chunk
     wanted = {"g": (need_wg, gate_weight), "u": (need_wu, up_weight), "d": (need_wd, down_weight)}
@@ -257,7 +279,16 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
         present = local.diff(prepend=local.new_zeros(1)) > 0
         gu = _gate_up(xc, local, fused, gate_weight, up_weight)
         dh = torch._grouped_mm(dyc, down_weight.transpose(-2, -1), local)
+        if weight is not None:  # y = (h Wd) * w: d(h Wd) = dy * w, so dh = (dy Wdᵀ) * w
+            raw, dh = dh, dh * weight[s:t]
         _act_backward(gu, dh, None if mask is None else mask[s:t], activation)  # gu <- [dg | du], dh <- h
+        if weight is not None:
+            if need_w:  # dw = Σ_j dy·(h Wd) = Σ_k (dy Wdᵀ)·h, in fp32; zero past offsets[-1]
+                part = torch.where(valid, (raw * dh).sum(1, keepdim=True, dtype=torch.float32), 0.0)
+                dw[s:t].copy_(part)
+            del raw
+            if need_wd:  # dWd = hᵀ (dy * w) = (h * w)ᵀ dy
+                dh.mul_(weight[s:t])
         if need_wd:
             _add_grad(grads, "d", torch._grouped_mm(dh.t(), dyc, local), present)
         del dh
@@ -276,7 +307,7 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
     g_wg = _finish_grad(grads["g"], gate_weight, x) if need_wg else x.new_empty((0,))
     g_wu = _finish_grad(grads["u"], up_weight, x) if need_wu else x.new_empty((0,))
     g_wd = _finish_grad(grads["d"], down_weight, x) if need_wd else x.new_empty((0,))
-    return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd
+    return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd, (dw if need_w else x.new_empty((0,)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -284,21 +315,24 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
 
 
 # x [S, D] routed rows sorted by expert, offsets [E] their cumulative counts, weights [E, in, out] (grouped_mm's
-# layout); chunk_tokens 0: from budget_mb; row_mask [S, 1] or [S]: rows whose gate and up count as zero.
+# layout); chunk_tokens 0: from budget_mb; row_mask [S, 1] or [S]: rows whose gate and up count as zero;
+# row_weight [S, 1] or [S]: each row's output scaled by it (the routing weight).
 _OPERANDS = (
     "Tensor x, Tensor offsets, Tensor gate_weight, Tensor up_weight, Tensor down_weight, str activation, "
-    "SymInt chunk_tokens=0, SymInt budget_mb=256, str grad_accum='fp32', Tensor? row_mask=None"
+    "SymInt chunk_tokens=0, SymInt budget_mb=256, str grad_accum='fp32', Tensor? row_mask=None, "
+    "Tensor? row_weight=None"
 )
 
 
 def _forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens=0, budget_mb=256,
-             grad_accum="fp32", row_mask=None):  # fmt: skip
-    _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask)
-    mask = _row_mask(row_mask)
+             grad_accum="fp32", row_mask=None, row_weight=None):  # fmt: skip
+    _check(*(x, offsets, gate_weight, up_weight, down_weight, activation), chunk_tokens, budget_mb, grad_accum,
+           row_mask, row_weight)  # fmt: skip
+    mask, weight = _rows(row_mask), _rows(row_weight)
     n, i, d_out = x.shape[0], gate_weight.shape[2], down_weight.shape[2]
     if _grouped_ok(x, gate_weight, up_weight, down_weight):
         chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
-        return _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk, mask)
+        return _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk, mask, weight)
     out = x.new_zeros((n, d_out))  # rows past offsets[-1] belong to no expert: zero
     bounds = _bounds(offsets, n)
     chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
@@ -316,6 +350,8 @@ def _forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_
                 u.masked_fill_(mask[s:t], 0)
             mlp_reference.act_into(g, g, activation).mul_(u)
             torch.mm(g, wd, out=out[s:t])
+            if weight is not None:
+                out[s:t].mul_(weight[s:t])
     return out
 
 
@@ -329,36 +365,46 @@ _tiled_grouped_mlp_op = define_op("tiled_grouped_mlp", f"({_OPERANDS}) -> Tensor
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# backward op. needs_grad = [x, gate_weight, up_weight, down_weight]; a grad not needed comes back as an empty
-# placeholder tensor, turned into None by the autograd wiring.
+# backward op. needs_grad = [x, gate_weight, up_weight, down_weight, row_weight]; a grad not needed comes back as
+# an empty placeholder tensor, turned into None by the autograd wiring.
 
 
 _GRAD_OPERANDS = (
     "Tensor grad_out, Tensor x, Tensor offsets, Tensor gate_weight, Tensor up_weight, Tensor down_weight, "
-    "str activation, SymInt chunk_tokens, SymInt budget_mb, str grad_accum, bool[] needs_grad, Tensor? row_mask=None"
+    "str activation, SymInt chunk_tokens, SymInt budget_mb, str grad_accum, bool[] needs_grad, Tensor? row_mask=None, "
+    "Tensor? row_weight=None"
 )
 
 
+def _needs(needs_grad, row_weight) -> list[bool]:
+    needs = ([bool(v) for v in needs_grad] + [False] * 5)[:5]
+    needs[4] = needs[4] and row_weight is not None
+    return needs
+
+
 def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb,
-                    grad_accum, needs_grad, row_mask=None):  # fmt: skip
-    need_x, need_wg, need_wu, need_wd = ([bool(v) for v in needs_grad] + [False] * 4)[:4]
+                    grad_accum, needs_grad, row_mask=None, row_weight=None):  # fmt: skip
+    needs = _needs(needs_grad, row_weight)
+    need_x, need_wg, need_wu, need_wd, need_w = needs
     n, i = x.shape[0], gate_weight.shape[2]
-    mask = _row_mask(row_mask)
+    mask, weight = _rows(row_mask), _rows(row_weight)
     if _grouped_ok(x, gate_weight, up_weight, down_weight) and _aligned(grad_out):
         chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
-        needs = (need_x, need_wg, need_wu, need_wd)
-        return _grouped_backward(
-            grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk, grad_accum, needs, mask
-        )
+        *grads, dw = _grouped_backward(
+            grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk, grad_accum, needs, mask,
+            weight,
+        )  # fmt: skip
+        return (*grads, dw.reshape(row_weight.shape) if need_w else dw)
 
     def acc_for(p: Tensor, wanted: bool) -> Tensor | None:
         return torch.zeros(p.shape, device=p.device, dtype=_acc_dtype(p, grad_accum)) if wanted else None
 
     acc_wg, acc_wu, acc_wd = acc_for(gate_weight, need_wg), acc_for(up_weight, need_wu), acc_for(down_weight, need_wd)
     dx = x.new_zeros(x.shape) if need_x else None  # rows past offsets[-1] get no gradient
+    dw = weight.new_zeros(weight.shape) if need_w else None
     need_du = need_x or need_wu
     need_dg = need_x or need_wg
-    if n > 0 and (need_wd or need_du or need_dg):
+    if n > 0 and (need_wd or need_du or need_dg or need_w):
         bounds = _bounds(offsets, n)
         chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
         rows = min(chunk, n)
@@ -376,7 +422,15 @@ def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, a
                     g.masked_fill_(mc, 0)
                     u.masked_fill_(mc, 0)
                 torch.mm(dyc, wd.t(), out=dh)
-                if need_wd:
+                wc = None if weight is None else weight[s:t]
+                if wc is not None:  # y = (h Wd) * w: dh = (dy Wdᵀ) * w, dw = Σ (dy Wdᵀ)·h, dWd = (h * w)ᵀ dy
+                    h = mlp_reference.act_into(g, tmp, activation).mul_(u)
+                    if need_w:
+                        dw[s:t] = (dh * h).sum(1, keepdim=True, dtype=_acc_dtype(dw, "fp32"))
+                    dh.mul_(wc)
+                    if need_wd:
+                        _accumulate_mm(acc_wd[e], h.mul_(wc).t(), dyc)
+                elif need_wd:
                     h = mlp_reference.act_into(g, tmp, activation).mul_(u)
                     _accumulate_mm(acc_wd[e], h.t(), dyc)
                 if need_du:
@@ -400,19 +454,20 @@ def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, a
     g_wd, acc_wd = _finish_grad(acc_wd, down_weight, x), None
     g_wu, acc_wu = _finish_grad(acc_wu, up_weight, x), None
     g_wg, acc_wg = _finish_grad(acc_wg, gate_weight, x), None
-    return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd
+    g_w = dw.reshape(row_weight.shape) if need_w else x.new_empty((0,))
+    return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd, g_w
 
 
 def _fake_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb,
-                grad_accum, needs_grad, row_mask=None):  # fmt: skip
-    needs = ([bool(v) for v in needs_grad] + [False] * 4)[:4]
-    like = (x, gate_weight, up_weight, down_weight)
+                grad_accum, needs_grad, row_mask=None, row_weight=None):  # fmt: skip
+    needs = _needs(needs_grad, row_weight)
+    like = (x, gate_weight, up_weight, down_weight, row_weight)
     return tuple(t.new_empty(t.shape) if need else x.new_empty((0,)) for need, t in zip(needs, like))
 
 
 _tiled_grouped_mlp_backward_op = define_op(
     "tiled_grouped_mlp_backward",
-    f"({_GRAD_OPERANDS}) -> (Tensor, Tensor, Tensor, Tensor)",
+    f"({_GRAD_OPERANDS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _backward_grads,
     _fake_grads,
 )
@@ -423,22 +478,25 @@ _tiled_grouped_mlp_backward_op = define_op(
 
 
 def _setup_context(ctx, inputs, output):
-    x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask = inputs
-    ctx.save_for_backward(x, offsets, gate_weight, up_weight, down_weight, row_mask)
+    # the dispatcher may leave off trailing arguments equal to their defaults (None)
+    x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum = inputs[:9]
+    row_mask, row_weight = (*inputs[9:], None, None)[:2]
+    ctx.save_for_backward(x, offsets, gate_weight, up_weight, down_weight, row_mask, row_weight)
     ctx.settings = (activation, chunk_tokens, budget_mb, grad_accum)
 
 
 def _backward(ctx, grad_out):
-    x, offsets, gate_weight, up_weight, down_weight, row_mask = ctx.saved_tensors
+    x, offsets, gate_weight, up_weight, down_weight, row_mask, row_weight = ctx.saved_tensors
     n = ctx.needs_input_grad
-    needs = [n[0], n[2], n[3], n[4]]
+    needs = [n[0], n[2], n[3], n[4], row_weight is not None and len(n) > 10 and n[10]]
     if not any(needs):
-        return (None,) * 10
+        return (None,) * len(n)
     grads = torch.ops.tilecompile.tiled_grouped_mlp_backward(
-        grad_out.contiguous(), x, offsets, gate_weight, up_weight, down_weight, *ctx.settings, needs, row_mask
-    )
-    gx, gwg, gwu, gwd = (g if need else None for g, need in zip(grads, needs))
-    return gx, None, gwg, gwu, gwd, None, None, None, None, None
+        grad_out.contiguous(), x, offsets, gate_weight, up_weight, down_weight, *ctx.settings, needs, row_mask,
+        row_weight,
+    )  # fmt: skip
+    gx, gwg, gwu, gwd, gw = (g if need else None for g, need in zip(grads, needs))
+    return (gx, None, gwg, gwu, gwd, None, None, None, None, None, gw)[: len(n)]
 
 
 _tiled_grouped_mlp_op.register_autograd(_backward, setup_context=_setup_context)
@@ -460,10 +518,12 @@ def tiled_grouped_mlp(
     budget_mb: int = 256,
     grad_accum: str = "fp32",
     row_mask: Tensor | None = None,
+    row_weight: Tensor | None = None,
 ) -> Tensor:
     """Per expert ``e``, rows ``offsets[e-1]:offsets[e]`` of ``x`` [S, D] through ``act(x Wg[e]) * (x Wu[e]) @ Wd[e]``
     in token chunks; weights [E, in, out] as ``grouped_mm`` takes them; rows flagged in ``row_mask`` as if their
-    gate and up projections were zero. See the module docstring."""
+    gate and up projections were zero; each row's output times its ``row_weight``. See the module docstring."""
     return torch.ops.tilecompile.tiled_grouped_mlp(
-        x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask
-    )
+        x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb, grad_accum, row_mask,
+        row_weight,
+    )  # fmt: skip
