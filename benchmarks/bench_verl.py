@@ -25,14 +25,14 @@ state included), the first step's seconds, the report's counts. Each method's ro
 On one H200 the default run (2 methods, 28 layers) should take 4-6 minutes; ``--layers 8`` is a quicker look.
 
 The GPU machine has no network: verl and what importing its engine needs travel as wheels (python 3.12, manylinux),
-installed without dependencies into .site; torch, triton, accelerate, peft, datasets, huggingface_hub, tokenizers and
-safetensors come from the image. TRL 0.29.1 is there because verl's monkey patch imports TRL's value-head model when
-TRL is installed, which TRL 1.x removed; transformers 5.10.4 because verl 0.9.1 pins transformers < 5.11, and
-tokenizers 0.22.2 because transformers 5.10.4 checks for tokenizers <= 0.23.0 at import (the image's is 0.23.2).
-The same versions as .ci/compat's verl venv, where tests/test_verl.py passes. ray is left out: its wheel (79 MB) is
-more than the GPU machine takes along (64 MiB), and one process never calls it; verl/__init__.py and verl's worker
-module import it, so where ray is not installed ``stub_ray`` stands in for it at import time. Here (28 wheels, about
-27 MB):
+installed without dependencies into .site; torch, triton, accelerate, peft, huggingface_hub and safetensors come
+from the image. TRL 0.29.1 is there because verl's monkey patch imports TRL's value-head model when TRL is
+installed, which TRL 1.x removed; transformers 5.10.4 because verl 0.9.1 pins transformers < 5.11, and tokenizers
+0.22.2 because transformers 5.10.4 checks for tokenizers <= 0.23.0 at import (the image's is 0.23.2). The same
+versions as .ci/compat's verl venv, where tests/test_verl.py passes. ray and datasets are left out: ray's wheel
+(79 MB) is more than the GPU machine takes along (64 MiB), datasets is not on the image (nor its dependencies dill
+and multiprocess), and one process never calls either; verl's modules import them, so where they are not installed
+``stub_missing`` stands in for them at import time. Here (28 wheels, about 27 MB):
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -119,8 +119,8 @@ def cpu_platform():
     return PlatformCPU()
 
 
-class _RayStub:
-    """Stands for any name of ray's at import time (a decorator returns what it decorates)."""
+class _Stub:
+    """Stands for any name of a stubbed package at import time (a decorator returns what it decorates)."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -128,31 +128,48 @@ class _RayStub:
     def __getattr__(self, attr: str):
         if attr.startswith("__"):
             raise AttributeError(attr)
-        return _RayStub(f"{self._name}.{attr}")
+        return _Stub(f"{self._name}.{attr}")
 
     def __call__(self, *args, **kwargs):
         if len(args) == 1 and callable(args[0]) and not kwargs:
             return args[0]
-        return _RayStub(self._name + "()")
+        return _Stub(self._name + "()")
 
     def __mro_entries__(self, bases):
         return (object,)
 
+    def __or__(self, other):  # in annotations evaluated at import: ``Dataset | dict[str, Dataset] | None``
+        return self
 
-def stub_ray() -> bool:
-    """Where ray is not installed, make ``import ray`` (and ``ray.*``) give stand-ins, so that verl's modules import:
-    verl/__init__.py and verl.single_controller import ray, and the engine never calls it in one process."""
+    __ror__ = __or__
+
+    def __getitem__(self, item):  # ``Dataset[...]``
+        return self
+
+
+# imported by verl's modules at import time, never called by one process's engine step: ray (verl/__init__.py,
+# verl.single_controller), datasets (verl.utils.dataset, which the FSDP engine's module imports for an enum; the GPU
+# image has no datasets, and its wheel's own dependencies dill and multiprocess are not there either)
+STUBBED = ("ray", "datasets")
+
+
+def stub_missing() -> list[str]:
+    """Where a package of ``STUBBED`` is not installed (or is named in ``BENCH_VERL_STUB``, comma-separated, to check
+    this where it is), make ``import name`` (and ``name.*``) give stand-ins, so that verl's modules import; the names
+    stubbed."""
     import importlib.abc
     import importlib.machinery
     import importlib.util
     import types
 
-    if importlib.util.find_spec("ray") is not None and not os.environ.get("BENCH_VERL_STUB_RAY"):
-        return False
+    forced = set(filter(None, os.environ.get("BENCH_VERL_STUB", "").split(",")))
+    names = [n for n in STUBBED if n in forced or importlib.util.find_spec(n) is None]
+    if not names:
+        return []
 
     class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         def find_spec(self, name, path, target=None):
-            if name == "ray" or name.startswith("ray."):
+            if name.split(".")[0] in names:
                 return importlib.machinery.ModuleSpec(name, self, is_package=True)
             return None
 
@@ -163,7 +180,7 @@ def stub_ray() -> bool:
             def getattr_(attr):
                 if attr.startswith("__"):
                     raise AttributeError(attr)
-                return _RayStub(f"{spec.name}.{attr}")
+                return _Stub(f"{spec.name}.{attr}")
 
             module.__getattr__ = getattr_
             return module
@@ -172,7 +189,7 @@ def stub_ray() -> bool:
             pass
 
     sys.meta_path.insert(0, Finder())
-    return True
+    return names
 
 
 def flash_attn_available() -> bool:
@@ -219,8 +236,9 @@ def make_batch(step: int, cfg: dict):
 def worker(cfg: dict) -> dict:
     """Build verl's engine for ``cfg["method"]``, run the steps, return the row."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
-    if stub_ray():
-        print("  ray is not installed: verl imports it through stand-ins (stub_ray)", file=sys.stderr, flush=True)
+    if stubbed := stub_missing():
+        print(f"  not installed: {', '.join(stubbed)}; verl imports stand-ins (stub_missing)", file=sys.stderr,
+              flush=True)  # fmt: skip
     import functools
 
     import torch.distributed as dist
