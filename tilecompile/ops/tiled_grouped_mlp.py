@@ -21,8 +21,8 @@ the recompute has to run the whole op forward again to make it. Its grad is ``dw
 per row (the second form needs no GEMM: ``dy Wdᵀ`` is the backward's ``dh`` before scaling), summed in fp32.
 
 Forward, for each expert and each chunk of its rows: ``g = xc Wg[e]``, ``u = xc Wu[e]`` (masked rows zeroed),
-``h = act(g) * u``, ``y = h Wd[e]``. Saved for backward: ``x``, ``offsets``, the weights and the row mask, never an
-[S, I] tensor.
+``h = act(g) * u``, ``y = h Wd[e]`` (times the row weight). Saved for backward: ``x``, ``offsets``, the weights,
+the row mask and the row weight, never an [S, I] tensor.
 
 Backward (``tilecompile::tiled_grouped_mlp_backward``), per expert and chunk: recompute ``g`` and ``u`` (masked
 rows zeroed), then
