@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, assert_grads_close, compile_options, rel_err
+from helpers import GraphCapture, assert_close, assert_grads_close, compile_options, rel_err
 
 import tilecompile
 from tilecompile.ops.tiled_grouped_mlp import tiled_grouped_mlp
@@ -119,29 +119,6 @@ def test_hf_moe_under_activation_checkpointing():
     assert not _skips(), tilecompile.report()
 
 
-def _graphs_of_step(monkeypatch, model, ids):
-    """The forward and backward graphs AOTAutograd makes of the compiled step (min-cut partition, as aot_eager),
-    and the step's logits."""
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    from tilecompile import backend
-
-    graphs = {"fw": [], "bw": []}
-
-    def keep(into):
-        return lambda g, _inputs: into.append(g) or make_boxed_func(g.forward)
-
-    def inner(gm, example_inputs, *_):
-        return aot_module_simplified(
-            gm, example_inputs, fw_compiler=keep(graphs["fw"]), bw_compiler=keep(graphs["bw"]),
-            partition_fn=min_cut_rematerialization_partition,
-        )  # fmt: skip
-
-    monkeypatch.setattr(backend, "inner_compile", inner)
-    return graphs, _step(_compile(model), ids)
-
-
 def _op_calls(graphs, name: str) -> int:
     """Nodes calling ``tilecompile::name`` in the graphs and their submodules (a layer region's compiled body)."""
     modules = [m for g in graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)]
@@ -167,16 +144,17 @@ def test_routing_weight_taken_in_so_checkpointing_recomputes_no_expert_forward(m
         model.set_experts_implementation(implementation)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ref = copy.deepcopy(model)
-        graphs, out = _graphs_of_step(monkeypatch, model, ids)
+        with GraphCapture() as graphs:
+            out = _step(_compile(model), ids)
         assert_close(out, _step(ref, ids), rtol=RTOL, atol=ATOL, name="logits")
         assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
         rewrites = _rewrites()
         assert sorted(r.module_path for r in rewrites) == EXPERT_PATHS, tilecompile.report()
         assert all(("row_weight=none" in r.detail) != fold for r in rewrites), [r.detail for r in rewrites]
         # one node per layer, or one for both where the identical layers share a compiled region
-        calls = _op_calls(graphs["fw"], "tiled_grouped_mlp")
-        assert calls in (1, 2) and _op_calls(graphs["bw"], "tiled_grouped_mlp_backward") == calls
-        assert _op_calls(graphs["bw"], "tiled_grouped_mlp") == (0 if fold else calls), graphs["bw"]
+        calls = _op_calls(graphs.fw, "tiled_grouped_mlp")
+        assert calls in (1, 2) and _op_calls(graphs.bw, "tiled_grouped_mlp_backward") == calls
+        assert _op_calls(graphs.bw, "tiled_grouped_mlp") == (0 if fold else calls), graphs.bw
 
 
 def test_dynamic_lengths_compile_once():

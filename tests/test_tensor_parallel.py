@@ -15,6 +15,7 @@ import socket
 import sys
 from collections import Counter
 
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
@@ -118,43 +119,8 @@ def count_collectives(gm: torch.fx.GraphModule) -> Counter:
     return out
 
 
-class GraphCapture:
-    """Replaces the backend's inner compiler by AOTAutograd (eager) with compilers that keep the fw/bw graphs."""
-
-    def __init__(self) -> None:
-        self.fw: list[torch.fx.GraphModule] = []
-        self.bw: list[torch.fx.GraphModule] = []
-
-    def __enter__(self) -> GraphCapture:
-        from tilecompile import backend
-
-        self._saved = backend.inner_compile
-
-        def inner(gm, example_inputs, inner, mode, options):
-            from functorch.compile import make_boxed_func
-            from torch._functorch.aot_autograd import aot_module_simplified
-
-            def keep(into):
-                def compiler(g, _inputs):
-                    into.append(g)
-                    return make_boxed_func(g.forward)
-
-                return compiler
-
-            from functorch.compile import min_cut_rematerialization_partition
-
-            return aot_module_simplified(  # as the aot_eager backend does
-                gm, example_inputs, fw_compiler=keep(self.fw), bw_compiler=keep(self.bw),
-                partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True,
-            )  # fmt: skip
-
-        backend.inner_compile = inner
-        return self
-
-    def __exit__(self, *exc) -> None:
-        from tilecompile import backend
-
-        backend.inner_compile = self._saved
+class GraphCapture(helpers.GraphCapture):
+    """``helpers.GraphCapture`` with the collectives of the kept graphs counted."""
 
     def counts(self) -> tuple[Counter, Counter]:
         fw, bw = Counter(), Counter()

@@ -423,15 +423,15 @@ def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, a
                     u.masked_fill_(mc, 0)
                 torch.mm(dyc, wd.t(), out=dh)
                 wc = None if weight is None else weight[s:t]
-                if wc is not None:  # y = (h Wd) * w: dh = (dy Wdᵀ) * w, dw = Σ (dy Wdᵀ)·h, dWd = (h * w)ᵀ dy
+                if wc is not None or need_wd:
                     h = mlp_reference.act_into(g, tmp, activation).mul_(u)
+                if wc is not None:  # y = (h Wd) * w: dh = (dy Wdᵀ) * w, dw = Σ (dy Wdᵀ)·h, dWd = (h * w)ᵀ dy
                     if need_w:
                         dw[s:t] = (dh * h).sum(1, keepdim=True, dtype=_acc_dtype(dw, "fp32"))
                     dh.mul_(wc)
                     if need_wd:
-                        _accumulate_mm(acc_wd[e], h.mul_(wc).t(), dyc)
-                elif need_wd:
-                    h = mlp_reference.act_into(g, tmp, activation).mul_(u)
+                        h.mul_(wc)
+                if need_wd:
                     _accumulate_mm(acc_wd[e], h.t(), dyc)
                 if need_du:
                     du = mlp_reference.act_into(g, tmp, activation).mul_(dh)
@@ -488,7 +488,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out):
     x, offsets, gate_weight, up_weight, down_weight, row_mask, row_weight = ctx.saved_tensors
     n = ctx.needs_input_grad
-    needs = [n[0], n[2], n[3], n[4], row_weight is not None and len(n) > 10 and n[10]]
+    needs = [n[0], n[2], n[3], n[4], row_weight is not None and n[10]]  # a weight given is never left off
     if not any(needs):
         return (None,) * len(n)
     grads = torch.ops.tilecompile.tiled_grouped_mlp_backward(
