@@ -10,9 +10,15 @@ Nothing is saved: the op (tilecompile/ops/tiled_grouped_mlp.py) recomputes ``gu`
 ``gu`` and ``dh`` once and writes ``dg | du`` over ``gu`` and ``h`` over ``dh`` (in place: the chunk needs two
 buffers, [rows, 2I] and [rows, I], each way). Both compute in fp32 and round once to the buffers' dtype.
 
-``_grouped_grad_accum_kernel``: ``acc[e] += part[e]`` only for the experts ``e`` with rows in the chunk
-(``present[e]``); a chunk's ``grouped_mm`` weight grad is zero for the others, so skipping them changes nothing and
-saves reading and writing the whole [E, K, N] accumulator once per chunk (a chunk holds about E / chunks experts).
+``_grouped_grad_carry_kernel``: a chunk's weight grad ``part`` [E, K, N] (``grouped_mm``'s, zero for the experts
+without rows in the chunk) goes into the grad itself, in the parameter's dtype, with no accumulator over all
+experts. The rows are grouped by expert, so at most one expert's rows cross each chunk edge: the expert whose rows
+began in an earlier chunk adds the fp32 carry that chunk left, the one whose rows go on past the chunk leaves its sum
+in the carry for the next, every other expert with rows in the chunk writes its grad, and the last chunk writes zero
+for the experts with no rows. Two carry slots [2, K, N] take turns (chunk ``c`` reads slot ``(c + 1) % 2`` and
+writes slot ``c % 2``), so an expert that crosses both edges reads and writes different memory. An expert's grad is
+the chunks' parts summed in chunk order in the carry's dtype and rounded once: what an [E, K, N] accumulator gives,
+bit for bit, in 2·K·N elements instead of E·K·N.
 
 The same math in plain PyTorch (the CPU implementation and the kernels' reference) is in
 ``kernels/tiled_mlp_reference.py``; tests/test_moe_grouped.py compares the two under TRITON_INTERPRET=1.
@@ -32,7 +38,7 @@ if HAS_TRITON:
 
     from tilecompile.kernels.tiled_mlp import _gated_act
 
-__all__ = ["HAS_TRITON", "accumulate", "act_backward", "act_mul"]
+__all__ = ["HAS_TRITON", "act_backward", "act_mul", "carry_accumulate"]
 
 _BLOCK = 1024
 _ACC_BLOCK = 4096
@@ -82,16 +88,29 @@ if HAS_TRITON:
         tl.store(dh_ptr + offs, h.to(dh_ptr.dtype.element_ty), mask=valid)
 
     @triton.jit
-    def _grouped_grad_accum_kernel(acc_ptr, part_ptr, present_ptr, per_expert, BLOCK: tl.constexpr):
-        # grid (blocks per expert, experts): an expert without rows in the chunk costs one load of its flag
+    def _grouped_grad_carry_kernel(
+        grad_ptr, carry_ptr, part_ptr, offs_ptr, per_expert, start, stop, rows, slot_in, slot_out,
+        LAST: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # grid (blocks per expert, experts): an expert without rows in the chunk costs two loads of its offsets
         e = tl.program_id(1)
-        if tl.load(present_ptr + e) != 0:
+        hi = tl.minimum(tl.load(offs_ptr + e).to(tl.int64), rows)
+        lo = tl.minimum(tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)).to(tl.int64), 0), rows)
+        present = tl.maximum(lo, start) < tl.minimum(hi, stop)
+        empty = hi <= lo
+        if present | (LAST & empty):
             offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             valid = offs < per_expert
-            base = e.to(tl.int64) * per_expert
-            acc = tl.load(acc_ptr + base + offs, mask=valid, other=0.0).to(tl.float32)
-            part = tl.load(part_ptr + base + offs, mask=valid, other=0.0).to(tl.float32)
-            tl.store(acc_ptr + base + offs, (acc + part).to(acc_ptr.dtype.element_ty), mask=valid)
+            val = tl.load(part_ptr + e.to(tl.int64) * per_expert + offs, mask=valid, other=0.0).to(tl.float32)
+            if present & (lo < start):  # its rows began in an earlier chunk: that chunk's carry
+                val += tl.load(carry_ptr + slot_in * per_expert + offs, mask=valid, other=0.0).to(tl.float32)
+            if empty:
+                val = tl.zeros((BLOCK,), dtype=tl.float32)
+            if present & (hi > stop):  # its rows go on in the next chunk
+                tl.store(carry_ptr + slot_out * per_expert + offs, val.to(carry_ptr.dtype.element_ty), mask=valid)
+            else:
+                tl.store(grad_ptr + e.to(tl.int64) * per_expert + offs, val.to(grad_ptr.dtype.element_ty),
+                         mask=valid)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -130,12 +149,19 @@ def act_backward(gu: Tensor, dh: Tensor, mask: Tensor | None, activation: str) -
         )  # fmt: skip
 
 
-def accumulate(acc: Tensor, part: Tensor, present: Tensor) -> None:
-    """``acc[e] += part[e]`` for the experts flagged in ``present`` [E] (bool); both [E, K, N] contiguous."""
-    if not (acc.is_contiguous() and part.is_contiguous()) or acc.shape != part.shape:
-        raise ValueError("tiled_grouped_mlp kernels: acc and part must be contiguous and of one shape")
-    experts = acc.shape[0]
-    per_expert = acc[0].numel() if experts else 0
+def carry_accumulate(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor, start: int, stop: int, rows: int,
+                     index: int, last: bool) -> None:  # fmt: skip
+    """Chunk ``index`` (rows ``start:stop`` of ``rows``) of a weight grad: ``part`` [E, K, N] into ``grad`` [E, K, N]
+    (the parameter's dtype) and the carry [2, K, N] (see the module docstring); ``offsets`` [E] int32, cumulative."""
+    experts = grad.shape[0]
+    if not (grad.is_contiguous() and carry.is_contiguous() and part.is_contiguous()) or part.shape != grad.shape:
+        raise ValueError("tiled_grouped_mlp kernels: grad, carry and part must be contiguous, grad and part one shape")
+    if tuple(carry.shape) != (2, *grad.shape[1:]) or offsets.shape != (experts,) or offsets.dtype != torch.int32:
+        raise ValueError("tiled_grouped_mlp kernels: carry must be [2, K, N] and offsets [E] int32")
+    per_expert = grad[0].numel() if experts else 0
     if per_expert:
         grid = (triton.cdiv(per_expert, _ACC_BLOCK), experts)
-        _grouped_grad_accum_kernel[grid](acc, part, present.view(torch.uint8), per_expert, BLOCK=_ACC_BLOCK)
+        _grouped_grad_carry_kernel[grid](
+            grad, carry, part, offsets, per_expert, start, stop, rows, (index + 1) % 2, index % 2, LAST=last,
+            BLOCK=_ACC_BLOCK,
+        )  # fmt: skip

@@ -4,7 +4,7 @@ under ``TRITON_INTERPRET=1`` (tests/test_tiled_mlp_op.py, tests/test_moe_grouped
 
 ``act_into`` / ``act_backward_into`` write ``act(x)`` and ``grad * act'(x)`` into a given buffer (which may be one
 of the inputs); ``act_mul_reference`` / ``act_backward_reference`` are the grouped op's chunk step on a fused
-``gu`` = [g | u] with its optional row mask; ``accumulate_reference`` its weight-grad accumulation.
+``gu`` = [g | u] with its optional row mask; ``carry_accumulate_reference`` its weight-grad accumulation.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["accumulate_reference", "act_backward_into", "act_backward_reference", "act_into", "act_mul_reference"]
+__all__ = ["act_backward_into", "act_backward_reference", "act_into", "act_mul_reference", "carry_accumulate_reference"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -71,6 +71,19 @@ def act_backward_reference(gu: Tensor, dh: Tensor, mask: Tensor | None, activati
         gu.masked_fill_(mask, 0)
 
 
-def accumulate_reference(acc: Tensor, part: Tensor, present: Tensor) -> None:
-    """acc += part (``part`` is zero for the experts not ``present``: adding them changes nothing)."""
-    acc.add_(part)
+def carry_accumulate_reference(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor, start: int, stop: int,
+                               rows: int, index: int, last: bool) -> None:  # fmt: skip
+    """Chunk ``index`` (rows ``start:stop``) of a weight grad into ``grad`` and the two carry slots, as
+    kernels/tiled_grouped_mlp.py's ``carry_accumulate`` (whose docstring has the scheme); on the device, no sync."""
+    hi = offsets.to(torch.int64).clamp(max=rows)
+    lo = torch.cat((hi.new_zeros(1), hi[:-1]))
+    present = lo.clamp(min=start) < hi.clamp(max=stop)
+    starts, ends = present & (lo < start), present & (hi > stop)
+    val = part.to(carry.dtype)
+    val = torch.where(starts[:, None, None], val + carry[(index + 1) % 2], val)
+    carry[index % 2] = torch.where(ends[:, None, None], val, 0).sum(0)  # at most one expert ends past the chunk
+    finish = present & ~ends
+    if last:  # the experts with no rows get zero
+        finish = finish | (hi <= lo)
+        val = torch.where((hi <= lo)[:, None, None], 0, val)
+    grad.copy_(torch.where(finish[:, None, None], val.to(grad.dtype), grad))

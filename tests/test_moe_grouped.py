@@ -105,6 +105,40 @@ def test_grouped_path_equals_float64_reference(grouped_only, chunk, grad_accum, 
         assert not out[mask.squeeze(1)].any() and not ours[0][mask.squeeze(1)].any()
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 8, 40])
+@pytest.mark.parametrize(
+    "dtype,grad_accum",
+    [(torch.float32, "fp32"), (torch.bfloat16, "fp32"), (torch.bfloat16, "param"), (torch.float16, "fp32")],
+)
+def test_weight_grad_carry_equals_a_full_accumulator(chunk, dtype, grad_accum):
+    """The grouped path's weight grads over chunks: each chunk's part into the grad, with the carry of the experts
+    cut by chunk edges, gives bit for bit what an [E, K, N] accumulator in the accumulation dtype gives (the parts
+    summed in chunk order, rounded once); experts with no rows get zero, whatever the grad held before."""
+    from tilecompile.kernels import tiled_mlp_reference as reference
+    from tilecompile.ops.tiled_mlp import _acc_dtype
+
+    # idle experts first, in the middle and last; one expert of 19 rows (across several edges); 4 rows past the end
+    offsets = torch.tensor([0, 0, 5, 24, 24, 25, 36, 36], dtype=torch.int32)
+    rows, experts = 40, offsets.shape[0]
+    acc_dtype = _acc_dtype(torch.empty((), dtype=dtype), grad_accum)
+    g = torch.Generator().manual_seed(3)
+    grad = torch.full((experts, 4, 6), float("nan"), dtype=dtype)
+    carry = torch.full((2, 4, 6), float("nan"), dtype=acc_dtype)
+    full = torch.zeros((experts, 4, 6), dtype=acc_dtype)
+    bounds = list(zip([0, *offsets.tolist()[:-1]], offsets.tolist()))
+    starts = list(range(0, rows, chunk))
+    for index, s in enumerate(starts):
+        t = min(s + chunk, rows)
+        part = torch.randn(experts, 4, 6, generator=g).to(dtype)
+        for e, (lo, hi) in enumerate(bounds):  # grouped_mm's grad is zero for an expert without rows in the chunk
+            if max(lo, s) >= min(hi, t):
+                part[e] = 0
+        full += part.to(acc_dtype)
+        reference.carry_accumulate_reference(grad, carry, part, offsets, s, t, rows, index, index == len(starts) - 1)
+    assert torch.equal(grad, full.to(dtype))
+    assert not grad[[0, 1, 4, 7]].any()
+
+
 @pytest.mark.parametrize("path", ["grouped", "loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("chunk", [0, 7, 32])
@@ -280,12 +314,18 @@ _TRITON_WORKER = textwrap.dedent(
             reference.act_backward_reference(c, d, mask, act)
             assert torch.allclose(a, c, rtol=1e-5, atol=1e-6), (act, masked, (a - c).abs().max())
             assert torch.allclose(b, d, rtol=1e-5, atol=1e-6), (act, masked, (b - d).abs().max())
-    acc, part = torch.randn(5, 7, 9), torch.randn(5, 7, 9)
-    present = torch.tensor([True, False, True, True, False])
-    part[~present] = 0
-    ref = acc + part
-    K.accumulate(acc, part, present)
-    assert torch.equal(acc, ref)
+    # the weight-grad carry over 5 chunks of 8 rows (an expert across three edges, idle ones, rows past the end)
+    offsets = torch.tensor([0, 3, 11, 11, 30, 31, 36], dtype=torch.int32)
+    for dtype, carry_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32),
+                               (torch.float16, torch.float16)):
+        grads = [torch.full((7, 5, 6), float("nan"), dtype=dtype) for _ in range(2)]
+        carries = [torch.full((2, 5, 6), float("nan"), dtype=carry_dtype) for _ in range(2)]
+        for index, s in enumerate(range(0, 40, 8)):
+            part = torch.randn(7, 5, 6).to(dtype)
+            args = (part, offsets, s, s + 8, 40, index, index == 4)
+            K.carry_accumulate(grads[0], carries[0], *args)
+            reference.carry_accumulate_reference(grads[1], carries[1], *args)
+        assert torch.equal(grads[0], grads[1]), (dtype, carry_dtype, (grads[0] - grads[1]).abs().max())
 
     # the whole op with the kernels, against the op with their reference
     op._TRITON_ON_CPU = True

@@ -61,9 +61,13 @@ Two paths, the same math:
   grad of the chunk.
   Weight grads: with one chunk, ``grouped_mm``'s own (it accumulates in fp32 inside the GEMM, as unchunked); with
   several, each chunk's [E, K, N] grad (rounded to the compute dtype by ``grouped_mm``, which has no fp32 output
-  on CUDA) is added into an fp32 accumulator per weight (``grad_accum="fp32"``) or into the grad itself
-  (``"param"``), only for the experts with rows in the chunk (one Triton kernel on CUDA). An expert whose rows lie
-  in one chunk gets exactly ``grouped_mm``'s grad either way; one cut by a chunk edge gets the sum of two.
+  on CUDA) goes straight into the grad, in the parameter's dtype, by one Triton kernel on CUDA that touches only
+  the experts with rows in the chunk. The rows are grouped by expert, so only the expert crossing a chunk edge
+  needs a sum over chunks. It is carried from chunk to chunk in two [K, N] slots, in fp32 with
+  ``grad_accum="fp32"`` and in the parameter's dtype with ``"param"``. There is no [E, K, N] accumulator, and no
+  zeroing or final cast of one. The grads are what such an accumulator gives, bit for bit. An expert whose rows lie
+  in one chunk gets exactly ``grouped_mm``'s grad; an expert cut by chunk edges gets its parts summed in chunk
+  order and rounded once.
   ``offsets`` are not validated on this path (that needs the host); ``grouped_mm`` trusts them too.
 - the loop path (per expert, per chunk, ``torch.mm``) for everything else (fp64, odd strides): it reads the expert
   boundaries with ``offsets.tolist()``, one host sync per call on CUDA (HF's ``grouped_mm_fallback`` does the
@@ -206,11 +210,13 @@ def _act_backward(gu: Tensor, dh: Tensor, mask: Tensor | None, activation: str) 
         mlp_reference.act_backward_reference(gu, dh, mask, activation)
 
 
-def _accumulate(acc: Tensor, part: Tensor, present: Tensor) -> None:
-    if _use_triton(acc) and acc.is_contiguous() and part.is_contiguous():
-        grouped_kernels.accumulate(acc, part, present)
+def _carry_accumulate(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor, start: int, stop: int, rows: int,
+                      index: int, last: bool) -> None:  # fmt: skip
+    args = (grad, carry, part, offsets, start, stop, rows, index, last)
+    if _use_triton(grad) and grad.is_contiguous() and part.is_contiguous():
+        grouped_kernels.carry_accumulate(*args)
     else:
-        mlp_reference.accumulate_reference(acc, part, present)
+        mlp_reference.carry_accumulate_reference(*args)
 
 
 def _chunks(offsets: Tensor, n: int, chunk: int):
@@ -249,14 +255,6 @@ def _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation
     return out
 
 
-def _add_grad(grads: dict, key: str, part: Tensor, present: Tensor) -> None:
-    """A chunk's weight grad: the grad itself with one chunk, else added into the accumulator."""
-    if grads[key] is None:
-        grads[key] = part
-    else:
-        _accumulate(grads[key], part, present)
-
-
 def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk, grad_accum,
                       needs, mask, weight):  # fmt: skip
     need_x, need_wg, need_wu, need_wd, need_w = needs
@@ -267,16 +265,27 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
     dx = x.new_empty(x.shape) if need_x else None
     dw = weight.new_empty(weight.shape) if need_w else None
     # one chunk: grouped_mm's weight grads are the grads (accumulated in fp32 inside the GEMM, as unchunked);
-    # several: each chunk's grad is added into an accumulator, for the experts with rows in the chunk
+    # several: each chunk's grad goes into the grad, in the parameter's dtype, through a carry of two [K, N] slots
+    # in the accumulation dtype for the experts cut by chunk edges (kernels/tiled_grouped_mlp.py)
     wanted = {"g": (need_wg, gate_weight), "u": (need_wu, up_weight), "d": (need_wd, down_weight)}
     grads: dict[str, Tensor | None] = {k: None for k in wanted}
+    carries: dict[str, Tensor] = {}
+    offs = offsets.to(torch.int32)
     if chunks != 1:
         for k, (need, w) in wanted.items():
-            grads[k] = torch.zeros(w.shape, device=w.device, dtype=_acc_dtype(w, grad_accum)) if need else None
+            if need:
+                grads[k] = torch.empty(w.shape, device=w.device, dtype=w.dtype)
+                carries[k] = torch.empty((2, *w.shape[1:]), device=w.device, dtype=_acc_dtype(w, grad_accum))
+
+    def add_grad(key: str, part: Tensor, index: int, s: int, t: int) -> None:
+        if chunks == 1:
+            grads[key] = part
+        else:
+            _carry_accumulate(grads[key], carries[key], part, offs, s, t, n, index, index == chunks - 1)
+
     need_dgu = need_x or need_wg or need_wu
-    for s, t, local, valid in _chunks(offsets, n, chunk):
+    for index, (s, t, local, valid) in enumerate(_chunks(offsets, n, chunk)):
         xc, dyc = x[s:t], grad_out[s:t]
-        present = local.diff(prepend=local.new_zeros(1)) > 0
         gu = _gate_up(xc, local, fused, gate_weight, up_weight)
         dh = torch._grouped_mm(dyc, down_weight.transpose(-2, -1), local)
         if weight is not None:  # y = (h Wd) * w: d(h Wd) = dy * w, so dh = (dy Wdᵀ) * w
@@ -290,12 +299,12 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
             if need_wd:  # dWd = hᵀ (dy * w) = (h * w)ᵀ dy
                 dh.mul_(weight[s:t])
         if need_wd:
-            _add_grad(grads, "d", torch._grouped_mm(dh.t(), dyc, local), present)
+            add_grad("d", torch._grouped_mm(dh.t(), dyc, local), index, s, t)
         del dh
         if need_wg:
-            _add_grad(grads, "g", torch._grouped_mm(xc.t(), gu[:, :i], local), present)
+            add_grad("g", torch._grouped_mm(xc.t(), gu[:, :i], local), index, s, t)
         if need_wu:
-            _add_grad(grads, "u", torch._grouped_mm(xc.t(), gu[:, i:], local), present)
+            add_grad("u", torch._grouped_mm(xc.t(), gu[:, i:], local), index, s, t)
         if need_x and need_dgu:
             if fused is not None:
                 dxc = torch._grouped_mm(gu, fused.transpose(-2, -1), local)
