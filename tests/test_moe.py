@@ -722,9 +722,9 @@ def test_zero_fills_the_op_cannot_take_get_a_reason(form, reason):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_experts_left_alone_where_tiling_does_not_pay(checkpointing):
     """With a token threshold set (``mlp_min_tokens`` > 0), experts whose saved activations (4 [S, I] tensors) are
-    no more than what the tiled op would hold in its backward (fp32 weight-grad accumulators, a chunk's weight grad,
-    the chunk budget) are left alone, the two sizes in the reason: per layer in a checkpoint body, summed over the
-    graph's expert MLPs without checkpointing. The step still equals eager's."""
+    no more than what the tiled op would hold in its backward (a chunk's weight grad, the chunk budget, the carry)
+    are left alone, the two sizes in the reason: per layer in a checkpoint body, summed over the graph's expert MLPs
+    without checkpointing. The step still equals eager's."""
     model = _model("mixtral")
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -738,6 +738,29 @@ def test_experts_left_alone_where_tiling_does_not_pay(checkpointing):
     assert len(reasons) == 2 and all("tiling does not pay" in r for r in reasons), reasons
     where = "this checkpointed layer" if checkpointing else "the graph's expert MLPs together"
     assert all(where in r and "MiB" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("checkpointing,ratio,tiled", [(True, 2, False), (True, 5, True), (False, 2, True)])
+def test_in_a_checkpoint_body_tiling_needs_body_factor_times_the_ops_bytes(monkeypatch, checkpointing, ratio, tiled):
+    """The rule's two thresholds, with the op's bytes set to 1/ratio of the layer's saved bytes: without
+    checkpointing, tiled as soon as the activations exceed the op's bytes; in a checkpoint body only from
+    ``BODY_FACTOR`` (4) times, the reason saying why (a transient, and measured slower). Values equal eager's."""
+    from tilecompile.passes.mlp import experts
+
+    monkeypatch.setattr(experts, "op_bytes", lambda m, *args: experts.saved_bytes(m) // ratio)
+    model = _model("qwen3_moe")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    out = _step(_compile(model, mlp_min_tokens=1), ids)
+    assert_close(out, _step(ref, ids), rtol=RTOL, atol=ATOL, name="logits")
+    assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
+    assert len(_rewrites()) == (2 if tiled else 0), tilecompile.report()
+    if not tiled:
+        reasons = [s.reason for s in _skips() if "experts" in s.module_path]
+        assert reasons and all("held only through its recompute and backward" in r and "at least 4x" in r
+                               for r in reasons), reasons  # fmt: skip
 
 
 def test_experts_of_a_layer_the_memory_plan_keeps_stay_whole(monkeypatch):

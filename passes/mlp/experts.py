@@ -44,14 +44,17 @@ layer whole (``common.check_kept``).
 
 When tiling pays (issue 42). Left alone, the experts' autograd saves about four [S, I] tensors per layer (the [S, 2I]
 gate/up output, act(g), h) from the forward to the backward: ``4·S·I·itemsize`` bytes. Tiled, the op saves none but
-holds, during its backward, its fp32 weight-grad accumulators (``grad_accum="fp32"`` with more than one chunk:
-``4·E·(2·D·I + I·D_out)`` bytes, 2.3 GiB for Qwen3-30B-A3B's 128 experts of 2048 x 768), one chunk's [E, D, I]
-grad and the chunk's buffers (``mlp_chunk_budget_mb``). Inside a checkpoint body one layer's activations are held at
-a time, so the layer's own saved bytes are compared with that; in the root graph (no checkpointing) every expert
-MLP of the graph holds its activations until its backward, so their sum is. The op also costs time (it recomputes
-the gate/up GEMM: 22 instead of 18 S·D·I FLOPs without checkpointing; its chunked GEMMs run slower than whole
-ones), so experts whose saved bytes do not exceed the op's are left alone with the two numbers as the reason;
-``mlp_min_tokens=0`` tiles them anyway. Sizes are read at their hints
+holds, during its backward, one chunk's [E, D, I] weight grad, the chunk's buffers (``mlp_chunk_budget_mb``) and a
+two-slot carry per weight (``2·(2·D·I + I·D_out)`` elements in the accumulation dtype; no [E, K, N]
+accumulator). In the root graph (no checkpointing), every expert MLP of the graph holds its activations until its
+backward, so their sum is compared with the op's bytes, and the experts are tiled where it is larger. Inside a
+checkpoint body only one layer's activations are held at a time, and only through that layer's recompute and
+backward. There tiling saves a transient and costs time: it recomputes the gate/up GEMM, and its chunked GEMMs run
+slower than whole ones. On the H200, at Qwen3-30B-A3B's shape, tiled experts ran 0.73x at 8k and 0.92x at 32k
+tokens of leaving them alone (benchmarks/RESULTS.md, 2026-12-06). So there the layer's saved bytes must be at least
+``BODY_FACTOR`` times the op's before the experts are tiled (a heuristic from those two lengths: the slowdown
+shrinks as the chunks grow). Experts left alone get both numbers as the reason; ``mlp_min_tokens=0`` tiles them
+anyway. Sizes are read at their hints
 (no guard): a dynamic-shape graph keeps the choice made at its first length.
 
 Every grouped matmul the pass does not take into a rewrite gets a reason too (no silent miss), and so does a down
@@ -465,19 +468,23 @@ def saved_bytes(m: GroupedMLP) -> int | None:
 
 
 def op_bytes(m: GroupedMLP, budget_mb: int, grad_accum: str) -> int | None:
-    """What the tiled op holds in its backward beyond unchunked grouped_mm: fp32 weight-grad accumulators (with
-    ``grad_accum="fp32"``), one chunk's [E, D, I] weight grad, the chunk's buffers."""
+    """What the tiled op holds in its backward beyond unchunked grouped_mm: one chunk's [E, D, I] weight grad, the
+    chunk's buffers, and the weight grads' two-slot carry in the accumulation dtype."""
     e, d, i = (fxgraph.hint(v) for v in (fxgraph.shape(m.down.weight)[0], m.gate.mm.in_features, m.gate.width))
     d_out, dtype = fxgraph.hint(m.down.out_features), fxgraph.dtype(m.down.node)
     if None in (e, d, i, d_out) or dtype is None:
         return None
-    weights = e * (2 * d * i + i * d_out)
-    accumulators = weights * 4 if grad_accum == "fp32" and dtype.itemsize < 4 else 0
-    return accumulators + e * max(d, d_out) * i * dtype.itemsize + budget_mb * 2**20
+    acc_itemsize = dtype.itemsize if grad_accum == "param" else max(4, dtype.itemsize)
+    carry = 2 * (2 * d * i + i * d_out) * acc_itemsize
+    return carry + e * max(d, d_out) * i * dtype.itemsize + budget_mb * 2**20
+
+
+BODY_FACTOR = 4  # inside a checkpoint body: tile where the layer's saved bytes are at least this many times the op's
 
 
 def check_pays(m: GroupedMLP, ctx: PassContext, graph_saved: int) -> str | None:
-    """Tiling pays where the activations left alone would hold more than the op does (module docstring)."""
+    """Tiling pays where the activations left alone would hold more than the op does, by ``BODY_FACTOR`` inside a
+    checkpoint body (module docstring)."""
     s = ctx.settings
     if not s.mlp_min_tokens:
         return None
@@ -486,14 +493,21 @@ def check_pays(m: GroupedMLP, ctx: PassContext, graph_saved: int) -> str | None:
         return None
     in_body = ctx.graph_name != "<root>"  # a checkpoint body: one layer's activations at a time
     held = mine if in_body else max(graph_saved, mine)
-    if held > cost:
+    if held > (BODY_FACTOR * cost if in_body else cost):
         return None
     mib = 2**20
-    where = "this checkpointed layer" if in_body else "the graph's expert MLPs together (no checkpointing)"
+    holds = (
+        f"the tiled op would hold {cost / mib:.0f} MiB in its backward (a chunk's weight grad, "
+        f"mlp_chunk_budget_mb, the grad_accum={s.mlp_grad_accum} carry) and recompute its gate/up GEMM"
+    )
+    if not in_body:
+        return (f"tiling does not pay: left alone, the graph's expert MLPs together (no checkpointing) save "
+                f"{held / mib:.0f} MiB of activations; {holds} (mlp_min_tokens=0 tiles anyway)")  # fmt: skip
     return (
-        f"tiling does not pay: left alone, {where} save {held / mib:.0f} MiB of activations; the tiled op would hold "
-        f"{cost / mib:.0f} MiB in its backward (grad_accum={s.mlp_grad_accum} weight-grad accumulators, a chunk's "
-        f"weight grad, mlp_chunk_budget_mb) and recompute its gate/up GEMM (mlp_min_tokens=0 tiles anyway)"
+        f"tiling does not pay: left alone, this checkpointed layer's experts save {held / mib:.0f} MiB of activations, "
+        f"held only through its recompute and backward; {holds}, and tiled experts ran slower than left alone on the "
+        f"H200 (0.92x at 32k tokens); in a checkpoint body they are tiled where they save at least {BODY_FACTOR}x "
+        f"what the op holds (mlp_min_tokens=0 tiles anyway)"
     )
 
 
