@@ -5,7 +5,7 @@ the same and the gradients should match bit for bit), compiled with tilecompile 
 against each other, peak GPU memory, the pool's pinned host bytes (against the inputs' exact bytes), step time and
 the report's plan lines. A small Qwen2 (4 layers, hidden 1024, bf16 weights) at ``--tokens`` tokens, one row each.
 
-usage: python benchmarks/probe_offload.py [--tokens 16384] [--layers 4] [--repeats 3]
+usage: python benchmarks/probe_offload.py [--tokens 16384] [--layers 4] [--repeats 3] [--variants regions,flat,offload]
 """
 
 from __future__ import annotations
@@ -67,18 +67,32 @@ def run(options: dict, args: argparse.Namespace, ids: torch.Tensor) -> dict:
             "plan": plan}  # fmt: skip
 
 
+# Inductor's reorder_for_peak_memory is on by default for graphs without regions (the backend turns it off for graphs
+# with regions); the *_noreorder variants turn it off for the flat and the offloaded step
+VARIANTS = {
+    "regions": {"memory_budget": 0.0},
+    "flat": {"memory_budget": 0.0, "layer_regions": False},
+    "offload": {"offload": "all"},
+    "flat_noreorder": {"memory_budget": 0.0, "layer_regions": False, "reorder_for_peak_memory": False},
+    "offload_noreorder": {"offload": "all", "reorder_for_peak_memory": False},
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default="regions,flat,offload", help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = ap.parse_args()
     torch.manual_seed(1)
     ids = torch.randint(0, 32000, (1, args.tokens), device="cuda")
-    variants = ({"memory_budget": 0.0}, {"memory_budget": 0.0, "layer_regions": False}, {"offload": "all"})
-    rows = [run(options, args, ids) for options in variants]
-    offloaded = rows[-1]
-    for row in rows[:-1]:  # the offloaded layers are not layer regions: the flat device plan is the like-for-like one
+    names = args.variants.split(",")
+    rows = [run(VARIANTS[name], args, ids) for name in names]
+    offloaded = rows[names.index("offload")] if "offload" in names else rows[-1]
+    for row in rows:  # the offloaded layers are not layer regions: the flat device plan is the like-for-like one
+        if row is offloaded:
+            continue
         worst = max((row["grads"][n] - offloaded["grads"][n]).abs().max().item() for n in row["grads"])
         row["offload_max_grad_diff"], row["offload_loss_diff"] = worst, offloaded["loss"] - row["loss"]
     for row in rows:
