@@ -10,10 +10,11 @@ backward (dx and both weight grads) of:
 Median of ``--repeats`` steps (CUDA events, after 2 warm-up steps); TFLOP/s with each method's own FLOPs:
   grouped_mm: 18·S·D·I (forward 6, backward 12),  tiled: 22·S·D·I (+ 4 for the gate/up GEMM recomputed)
 and ``model_tflops`` = 18·S·D·I / time for both (the same work counted once). ``peak_extra_gib``: the step's peak
-allocation above what was allocated before it (inputs, weights, dy). Then ``--memory-tokens``: the same step at
-those lengths, one timed step each, unchunked against tiled fp32 / param: where tiling starts to hold less (the
-break-even the experts pass's ``check_pays`` estimates). Last, a host-sync check: one tiled step under
-``torch.cuda.set_sync_debug_mode("error")``.
+allocation above what was allocated before it (inputs, weights, dy). ``grad_err`` (tiled rows at the acceptance
+shape): the largest of the three grads' ``max|g - g_ref| / max|g_ref|`` against grouped_mm's (both bf16). Then
+``--memory-tokens``: the same step at those lengths, one timed step each, unchunked against tiled fp32 / param:
+where tiling starts to hold less (the break-even the experts pass's ``check_pays`` estimates). Last, a host-sync
+check: one tiled step under ``torch.cuda.set_sync_debug_mode("error")``.
 
 Rows go to ``--csv`` (default benchmarks/results/moe_op.csv; appended) as they are measured, with the GPU name,
 torch/triton versions, date and commit. One H200 call (about 2 minutes):
@@ -38,8 +39,8 @@ from e2e import versions, write_rows  # noqa: E402
 from tilecompile.ops import tiled_grouped_mlp as grouped_op  # noqa: E402
 
 FIELDS = ["method", "tokens", "rows", "chunk", "grad_accum", "ms", "tflops", "model_tflops", "time_vs_grouped_mm",
-          "peak_extra_gib", "note", "experts", "hidden", "inter", "top_k", "device", "torch", "triton", "date",
-          "commit"]  # fmt: skip
+          "peak_extra_gib", "grad_err", "note", "experts", "hidden", "inter", "top_k", "device", "torch", "triton",
+          "date", "commit"]  # fmt: skip
 GIB = 2**30
 
 
@@ -126,7 +127,7 @@ def main() -> None:
     def row(**kw) -> None:
         r = dict(meta, **kw)
         write_rows(args.csv, [r], FIELDS, append=True)
-        shown = " ".join(f"{k}={r[k]}" for k in FIELDS[:10] if r.get(k) not in (None, ""))
+        shown = " ".join(f"{k}={r[k]}" for k in FIELDS[:11] if r.get(k) not in (None, ""))
         print(shown + (f"  ({r['note']})" if r.get("note") else ""), flush=True)
 
     # the acceptance shape: time and TFLOP/s against grouped_mm unchunked
@@ -135,6 +136,13 @@ def main() -> None:
     rows = data[0].shape[0]
     unit = rows * args.hidden * args.inter  # S·D·I
     base_ms, base_gib = measure(step_grouped_mm, data, {}, args.repeats)
+    reference = step_grouped_mm(*data)
+
+    def grad_err(kw: dict, reference: tuple = reference) -> float:
+        ours = step_tiled(*data, **kw)
+        return round(max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                         for a, b in zip(ours, reference)), 5)  # fmt: skip
+
     row(
         method="grouped_mm",
         tokens=tokens,
@@ -154,6 +162,7 @@ def main() -> None:
             grad_accum=accum,
             **speed(unit, ms, base_ms, 22),
             peak_extra_gib=round(gib, 3),
+            grad_err=grad_err(dict(chunk=chunk, grad_accum=accum)),
             note="chunk from mlp_chunk_budget_mb=256" if chunk == 0 else "",
         )
     if not args.no_loop:
@@ -171,7 +180,7 @@ def main() -> None:
             peak_extra_gib=round(gib, 3),
             note="before issue 42",
         )
-    del data
+    del data, reference, grad_err
     torch.cuda.empty_cache()
 
     # memory at other lengths: where tiling starts to hold less than the activations left alone
