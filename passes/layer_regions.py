@@ -69,12 +69,6 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     groups: dict[str, list[fx.Node]] = {}
     for site in sites:
         key, reason = _key(gm, site)
-        if offload.TAG in (site.meta.get("custom") or {}) or site.meta.get(offload.LAYER):
-            # a region saves its operands again as outputs of its own (which carry its meta, not the plan's tag), and
-            # the getitems of a region's call carry the region's meta: the partition finds an offloaded input, and
-            # the tensor that makes it, outside regions only
-            reason = ("the memory plan offloads this layer's input or the input this call makes to host memory: the "
-                      "partition finds those outside a region only")  # fmt: skip
         if reason:
             _skip(result, gm, [site], reason)
         else:
@@ -283,6 +277,10 @@ def _share(gm: fx.GraphModule, group: list[fx.Node], binders: dict[Any, fx.Node]
     """One region module for ``group``; every site becomes a call of it. Returns the region's name."""
     first = group[0]
     body, used = _pruned(_body(first))
+    for node in body.graph.nodes:  # the memory plan's tags in a body are per call; the region's are on its calls
+        custom = node.meta.get("custom") or {}
+        if offload.TAG in custom:
+            node.meta["custom"] = {k: v for k, v in custom.items() if k not in (offload.TAG, offload.TAG_INDEX)}
     symbols = [binders[s] for s in sorted(_needed_symbols(group), key=str)]
     graph = fx.Graph()
     inputs = [graph.placeholder(f"arg{i}") for i in range(len(used))]
@@ -310,6 +308,11 @@ def _share(gm: fx.GraphModule, group: list[fx.Node], binders: dict[Any, fx.Node]
             operands = [site.args[1 + i] for i in used]
             new = gm.graph.call_function(_invoke_op(), (ref, name, *operands, *symbols))
         new.meta.update(site.meta)
+        mark = (site.meta.get("custom") or {}).get(offload.REGION)
+        if mark is not None:  # the memory plan offloads these operands: the partition finds the region's copies
+            layer, positions = mark
+            kept = tuple(used.index(p) for p in positions if p in used)
+            new.meta["custom"] = {**site.meta["custom"], offload.REGION: (layer, kept)}
         if single:
             new.meta["example_value"] = (site.meta.get("example_value"),)
             with gm.graph.inserting_after(new):
@@ -384,9 +387,13 @@ def region_workarounds(settings: config.Settings, options: dict[str, Any]) -> di
 
 def region_conflict(settings: config.Settings, options: dict[str, Any]) -> str | None:
     """Why a graph's layer regions must be undone before its compile, or None: the user asked Inductor for
-    ``reorder_for_peak_memory`` (see ``region_workarounds``), so the layers are compiled one by one instead."""
+    ``reorder_for_peak_memory`` (see ``region_workarounds``), or the inner compiler is ``eager`` (no AOTAutograd to
+    run an ``invoke_subgraph`` call under autograd), so the layers are compiled one by one instead."""
     if settings.inner == "inductor" and options.get("reorder_for_peak_memory"):
         return "reorder_for_peak_memory=True was asked for; Inductor's reordering gets gradients wrong around regions"
+    if settings.inner == "eager":  # torch 2.13: "fake_mode should be enabled for HOPs" at the first step
+        return ("the inner compiler 'eager' runs the graph as Dynamo gave it, and a region's call runs only through "
+                "AOTAutograd")  # fmt: skip
     return None
 
 

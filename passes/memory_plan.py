@@ -486,6 +486,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         for node, index in offload_sources(gm, layer, sites, own=True):
             offload.tag(node, layer.where, index)
         layer.site.meta[offload.LAYER] = True
+        computed = {a for a in layer.inputs if a.op != "placeholder"}  # for the layer region the call may become
+        offload.mark_operands(layer.site, layer.where, [p for p, a in enumerate(layer.site.args[1:]) if a in computed])
         because = ("offload=all" if every else
                    f"the layers' checkpointed inputs ({gib(plan.saved)}) and one layer's recompute "
                    f"({gib(plan.reserve)}) exceed the room ({gib(room)}; {words})")  # fmt: skip

@@ -89,8 +89,10 @@ def test_offload_all_sends_every_layers_input_to_the_host(monkeypatch, inner):
     rewrites, skips = _mine(rep)
     assert sorted(rewrites) == [f"model.layers.{i}" for i in range(3)] and not skips
     assert all("offloaded to host memory" in d and "3 of 3 layers offloaded" in d for d in rewrites.values())
-    regions = [s.reason for s in rep.skipped if s.pass_name == "layer_regions"]
-    assert len(regions) == 3 and all("outside a region only" in r for r in regions), regions  # none can join one
+    # the offloaded layers share one layer region: the partition offloads the region's own saved copy of its input
+    regions = sorted(r.module_path for r in rep.rewrites if r.pass_name == "layer_regions")
+    assert regions == [f"model.layers.{i}" for i in range(3)], rep
+    assert not [s for s in rep.skipped if s.pass_name == "layer_regions"], rep
 
 
 def test_auto_offloads_from_the_first_layer_only_what_the_room_needs(monkeypatch):
@@ -149,6 +151,8 @@ def test_eager_inner_compiler_has_no_partition_and_the_report_says_so(monkeypatc
     rewrites, skips = _mine(tilecompile.report())
     assert not rewrites and len(skips) == 3
     assert all("has no partition step" in r for r in skips.values())
+    regions = [s.reason for s in tilecompile.report().skipped if s.pass_name == "layer_regions"]
+    assert regions and all("inner compiler 'eager'" in r for r in regions), regions
 
 
 def test_choose_offload_for_given_rooms_and_host_budgets_static_and_symbolic():
@@ -179,19 +183,53 @@ def test_choose_offload_for_given_rooms_and_host_budgets_static_and_symbolic():
         assert memory_plan.choose_offload(ls, plan, 100 * 64, 10**9, False, [0, 1, 2, 3]) == [0, 1]
 
 
-def test_the_layers_not_offloaded_still_share_a_region(monkeypatch):
-    """Partial offload: the offloaded layers (and the call that makes an offloaded input) stay out of the layer
-    regions, where the partition would not find their inputs; the other identical layers still share one."""
+def test_offloaded_and_device_layers_share_one_region(monkeypatch):
+    """Partial offload: the two offloaded layers and the two checkpointed on the device are calls of one layer
+    region; the partition offloads the inputs of the first two only (its count, by layer and bytes), and the step
+    equals eager's (float64)."""
     layer_bytes = 2 * 9 * 32 * 8
     done, rep = _run(monkeypatch, [_ids(8)], room=0, layers=4, offload="auto", host_budget=2.5 * layer_bytes / 2**30)
     assert done == {"model.layers.0": layer_bytes, "model.layers.1": layer_bytes}
-    assert sorted(r.module_path for r in rep.rewrites if r.pass_name == "layer_regions") == [
-        "model.layers.2",
-        "model.layers.3",
-    ]
-    outside = {s.module_path: s.reason for s in rep.skipped if s.pass_name == "layer_regions"}
-    assert sorted(outside) == ["model.layers.0", "model.layers.1"]
-    assert all("outside a region only" in r for r in outside.values())
+    regions = sorted(r.module_path for r in rep.rewrites if r.pass_name == "layer_regions")
+    assert regions == [f"model.layers.{i}" for i in range(4)], rep
+    assert len({r.detail for r in rep.rewrites if r.pass_name == "layer_regions"}) == 1  # one region for all four
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_offloaded_region_input_saved_on_the_host_only(monkeypatch, inner):
+    """The forward of a graph with offloaded layer regions saves, for each offloaded layer, the host copy in place of
+    the region's own copy of its input (no device tensor of the input left among the saved ones), and the backward
+    reloads it for the region's backward call."""
+    saved = {}
+    real = offload.apply
+
+    def spy(fw, bw, num_fwd_outputs):
+        result = real(fw, bw, num_fwd_outputs)
+        out = list(fw.graph.find_nodes(op="output")[0].args[0])[num_fwd_outputs:]
+        saved["hosts"] = [n for n in out if getattr(n, "target", None) is torch.ops.tilecompile.offload.default]
+        saved["regions"] = [n for n in out if offload.region_input(fw, n) is not None]
+        saved["result"] = result
+        return result
+
+    monkeypatch.setattr(offload, "apply", spy)
+    monkeypatch.setattr(memory_plan, "room_for", lambda *args: (0, "budget set by the test"))
+    model = _model(3)
+    reference = copy.deepcopy(model)
+    ids = _ids(5)
+    opts = compile_options(memory_budget=1.0, offload="all", layer_regions=True, inner=inner)
+    f = torch.compile(_step, backend="tilecompile", options=opts)
+    loss = f(model, ids)
+    loss.backward()
+    expected = _step(reference, ids)
+    expected.backward()
+    rtol, atol = (1e-6, 1e-7) if inner == "inductor" else (1e-10, 1e-12)
+    assert_close(loss, expected, rtol=rtol, atol=atol, name="loss")
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p.grad, r.grad, rtol=10 * rtol, atol=10 * atol, name=name)
+    if inner == "aot_eager":  # Inductor's partition is its own (the spy sees it only through custom_partitioner_fn)
+        assert len(saved["hosts"]) == 3 and not saved["regions"], saved
+        assert sorted(saved["result"]) == [f"model.layers.{i}" for i in range(3)]
+    assert tilecompile.report().counts["layer_regions"] == 3
 
 
 def test_the_host_pool_takes_exact_sizes_and_reuses_free_blocks():

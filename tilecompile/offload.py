@@ -35,6 +35,9 @@ from tilecompile.ops import offload as _ops  # noqa: F401 - registers tilecompil
 TAG = "tilecompile_offload"  # node.meta["custom"] key: the checkpointed layer whose input the node makes
 LAYER = "tilecompile_offloaded_layer"  # node.meta key: a checkpoint call whose input goes to the host (not a region)
 TAG_INDEX = "tilecompile_offload_index"  # which output of the node (a call's getitem), or None: the node itself
+# node.meta["custom"] key on an offloaded layer's checkpoint call, and on the layer-region call made of it:
+# (the layer, the positions of its offloaded inputs among the call's operands)
+REGION = "tilecompile_offload_operands"
 
 _done: dict[str, int] = {}  # layer -> host bytes (at the sizes' hints), of the partitions since the last take
 
@@ -43,6 +46,34 @@ def tag(node: fx.Node, layer: str, index: int | None = None) -> None:
     """Marks ``node`` as making ``layer``'s input; ``index``: the input is output ``index`` of the call ``node``
     (the getitems AOTAutograd makes of a layer region's call carry the call's meta, its saved tensors' too)."""
     node.meta["custom"] = {**(node.meta.get("custom") or {}), TAG: layer, TAG_INDEX: index}
+
+
+def mark_operands(site: fx.Node, layer: str, positions: list[int]) -> None:
+    """Marks the checkpoint call ``site`` of ``layer`` with the positions (among its operands, the body left out) of
+    the inputs to offload: where the call becomes a layer region's call, the region saves those operands as outputs
+    of its own, and the partition finds them by this mark (``region_input``)."""
+    site.meta["custom"] = {**(site.meta.get("custom") or {}), REGION: (layer, tuple(positions))}
+
+
+def region_input(gm: fx.GraphModule, n: fx.Node) -> tuple[str, fx.Node] | None:
+    """(the layer, the operand) where ``n`` is an output of a marked layer region's call that is one of the
+    region's marked operands, saved again (a region's forward returns the operands its backward needs), else None."""
+    if n.op != "call_function" or n.target is not operator.getitem:
+        return None
+    call, j = n.args
+    if not isinstance(call, fx.Node) or call.target is not torch.ops.higher_order.invoke_subgraph:
+        return None
+    mark = (call.meta.get("custom") or {}).get(REGION)
+    sub = getattr(gm, call.args[0].target, None) if isinstance(call.args[0], fx.Node) else None
+    if mark is None or not isinstance(sub, fx.GraphModule):
+        return None
+    results = sub.graph.find_nodes(op="output")[0].args[0]
+    made = results[j] if isinstance(results, (tuple, list)) and j < len(results) else None
+    inputs = sub.graph.find_nodes(op="placeholder")
+    if not isinstance(made, fx.Node) or made.op != "placeholder" or inputs.index(made) not in mark[1]:
+        return None
+    operand = call.args[2 + inputs.index(made)] if 2 + inputs.index(made) < len(call.args) else None
+    return (mark[0], operand) if isinstance(operand, fx.Node) else None
 
 
 def tagged(gm: fx.GraphModule) -> dict[str, fx.Node]:
@@ -89,15 +120,26 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> dict[
     users_see = {n for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node)}
     placeholders = {p.name: p for p in bw.graph.find_nodes(op="placeholder")}
     chosen: list[fx.Node] = []
+    layer_of: dict[fx.Node, str] = {}
+    also_read: dict[fx.Node, fx.Node] = {}  # a region's saved operand -> the operand (its storage)
     for n in dict.fromkeys(outputs[num_fwd_outputs:]):
-        if not isinstance(n, fx.Node) or TAG not in (n.meta.get("custom") or {}):
+        if not isinstance(n, fx.Node):
             continue
-        index = n.meta["custom"].get(TAG_INDEX)
-        if index is not None and not (n.target is operator.getitem and n.args[1] == index):
-            continue  # another output of the tagged call: what the region saves for itself, not the layer's input
+        region = region_input(fw, n)
+        if region is not None:  # a layer region's own copy of its offloaded input
+            layer_of[n], also_read[n] = region
+        elif TAG in (n.meta.get("custom") or {}):
+            index = n.meta["custom"].get(TAG_INDEX)
+            if index is not None and not (n.target is operator.getitem and n.args[1] == index):
+                continue  # another output of the tagged call: what the region saves for itself, not the layer's input
+            layer_of[n] = n.meta["custom"][TAG]
+        else:
+            continue
         value = n.meta.get("val")
+        operand = also_read.get(n)
         if (
             n in users_see
+            or (operand is not None and (operand in users_see or operand.op == "placeholder"))
             or n.op == "placeholder"
             or _is_view(n)
             or not isinstance(value, torch.Tensor)
@@ -110,7 +152,11 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> dict[
     if not chosen:
         return {}
     order = {n: i for i, n in enumerate(fw.graph.nodes)}
-    points = sorted(((max((order[u] for u in _last_uses(n)), default=order[n]), n) for n in chosen),
+
+    def readers(n: fx.Node) -> list[fx.Node]:  # a region's copy shares its operand's storage: both must be done
+        return _last_uses(n) + (_last_uses(also_read[n]) if n in also_read else [])
+
+    points = sorted(((max([order[n]] + [order[u] for u in readers(n)]), n) for n in chosen),
                     key=lambda p: p[0])  # fmt: skip
     hosts: dict[fx.Node, fx.Node] = {}
     previous, last, last_at = None, None, -1
@@ -144,7 +190,7 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> dict[
         p.replace_all_uses_with(back, delete_user_cb=lambda u: u not in reloads)  # a reload's `next` stays on the host
         p.meta["val"] = value.to("cpu")
         p.meta.pop("tensor_meta", None)  # the device's; nothing here needs it again
-        layer = n.meta["custom"][TAG]
+        layer = layer_of[n]
         done[layer] = done.get(layer, 0) + _hint_bytes(value)
     for gm in (fw, bw):
         gm.graph.lint()
