@@ -5,8 +5,10 @@ The memory plan (passes/memory_plan.py) tags, in the Dynamo graph, the node that
 (``node.meta["custom"][TAG]``: the layer's name). AOTAutograd copies a node's ``custom`` meta to every node it
 traces from it, and its partitioner's forward and backward graphs keep it; so after the partition (the inner
 compiler's own: Inductor's min-cut, or the default one for ``aot_eager``), the tensors the forward saves for the
-backward that carry the tag are the layers' inputs. Each one that is a computed, contiguous tensor (not a graph
-input, not a view, not also a user output) is then:
+backward that carry the tag are the layers' inputs. A layer region's call (passes/layer_regions.py) saves the
+operands its backward needs again, as outputs of its own; where the memory plan marked the layer's call with the
+positions of its offloaded operands (``mark_operands``), those outputs are the layers' inputs too (``region_input``).
+Each one that is a computed, contiguous tensor (not a graph input, not a view, not also a user output) is then:
 
 - in the forward: copied to the host after its last use there (``offload``), the host copy saved in its place;
   each offload holds the previous one's input until its own call, the last waits for its copy (see the ops);
