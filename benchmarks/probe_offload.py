@@ -1,11 +1,11 @@
 """Offloaded checkpointed inputs on a GPU (issue 43): the same checkpointed step with every layer's input offloaded
-(``offload=all``) and with every layer checkpointed on the device (``memory_budget=0``, no offload, with layer regions
-as by default and without them: the offloaded layers are compiled flat, so against the flat plan the recompute is
-the same and the gradients should match bit for bit), compiled with tilecompile (Inductor): loss and gradients
-against each other, peak GPU memory, the pool's pinned host bytes (against the inputs' exact bytes), step time and
-the report's plan lines. A small Qwen2 (4 layers, hidden 1024, bf16 weights) at ``--tokens`` tokens, one row each.
+(``offload=all``, in layer regions as by default, or flat) and with every layer checkpointed on the device
+(``memory_budget=0``, no offload, with layer regions and without them), compiled with tilecompile (Inductor): loss
+and gradients against the offloaded step's, peak GPU memory, the pool's pinned host bytes (against the inputs'
+exact bytes), step time and the report's plan lines. A small Qwen2 (4 layers, hidden 1024, bf16 weights) at
+``--tokens`` tokens, one row each.
 
-usage: python benchmarks/probe_offload.py [--tokens 16384] [--layers 4] [--repeats 3] [--variants regions,flat,offload]
+usage: python benchmarks/probe_offload.py [--tokens 16384] [--layers 4] [--repeats 3] [--variants regions,offload]
 """
 
 from __future__ import annotations
@@ -68,11 +68,13 @@ def run(options: dict, args: argparse.Namespace, ids: torch.Tensor) -> dict:
 
 
 # Inductor's reorder_for_peak_memory is on by default for graphs without regions (the backend turns it off for graphs
-# with regions); the *_noreorder variants turn it off for the flat and the offloaded step
+# with regions); the *_noreorder variants turn it off for the flat and the offloaded step. Offloaded layers share the
+# layer regions since 2026-12-06 ("offload"); "offload_flat" is the offloaded step as it was before
 VARIANTS = {
     "regions": {"memory_budget": 0.0},
     "flat": {"memory_budget": 0.0, "layer_regions": False},
     "offload": {"offload": "all"},
+    "offload_flat": {"offload": "all", "layer_regions": False},
     "flat_noreorder": {"memory_budget": 0.0, "layer_regions": False, "reorder_for_peak_memory": False},
     "offload_noreorder": {"offload": "all", "reorder_for_peak_memory": False},
 }
@@ -90,7 +92,7 @@ def main() -> None:
     names = args.variants.split(",")
     rows = [run(VARIANTS[name], args, ids) for name in names]
     offloaded = rows[names.index("offload")] if "offload" in names else rows[-1]
-    for row in rows:  # the offloaded layers are not layer regions: the flat device plan is the like-for-like one
+    for row in rows:  # each against the offloaded step (the device plan of the same compile is the like-for-like one)
         if row is offloaded:
             continue
         worst = max((row["grads"][n] - offloaded["grads"][n]).abs().max().item() for n in row["grads"])
