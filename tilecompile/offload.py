@@ -35,7 +35,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from tilecompile.ops import offload as _ops  # noqa: F401 - registers tilecompile::offload and tilecompile::reload
 
 TAG = "tilecompile_offload"  # node.meta["custom"] key: the checkpointed layer whose input the node makes
-LAYER = "tilecompile_offloaded_layer"  # node.meta key: a checkpoint call whose input goes to the host (not a region)
+LAYER = "tilecompile_offloaded_layer"  # node.meta key: a checkpoint call whose input goes to the host
 TAG_INDEX = "tilecompile_offload_index"  # which output of the node (a call's getitem), or None: the node itself
 # node.meta["custom"] key on an offloaded layer's checkpoint call, and on the layer-region call made of it:
 # (the layer, the positions of its offloaded inputs among the call's operands)
@@ -123,13 +123,16 @@ def apply(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> dict[
     placeholders = {p.name: p for p in bw.graph.find_nodes(op="placeholder")}
     chosen: list[fx.Node] = []
     layer_of: dict[fx.Node, str] = {}
-    also_read: dict[fx.Node, fx.Node] = {}  # a region's saved operand -> the operand (its storage)
-    for n in dict.fromkeys(outputs[num_fwd_outputs:]):
-        if not isinstance(n, fx.Node):
+    saved = [n for n in dict.fromkeys(outputs[num_fwd_outputs:]) if isinstance(n, fx.Node)]
+    regions = {n: r for n in saved if (r := region_input(fw, n)) is not None}
+    also_read = {n: operand for n, (_, operand) in regions.items()}  # a region's copy -> its operand (one storage)
+    # an operand saved itself as well as through a region's copy: offloading either leaves the other on the device
+    both = {operand for operand in also_read.values() if operand in saved}
+    for n in saved:
+        if n in both or also_read.get(n) in both:
             continue
-        region = region_input(fw, n)
-        if region is not None:  # a layer region's own copy of its offloaded input
-            layer_of[n], also_read[n] = region
+        if n in regions:  # a layer region's own copy of its offloaded input
+            layer_of[n] = regions[n][0]
         elif TAG in (n.meta.get("custom") or {}):
             index = n.meta["custom"].get(TAG_INDEX)
             if index is not None and not (n.target is operator.getitem and n.args[1] == index):
