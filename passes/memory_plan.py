@@ -30,9 +30,11 @@ inputs of as few layers as make the rest fit go to pinned host memory, from the 
 backward reaches), within the host budget (``host_budget``: auto is HOST_FRACTION of the host's available memory).
 ``offload`` all sends every layer's input to the host and keeps none; off (the default, until it is measured at
 length on a GPU) sends none. The offload itself is a partition step of the inner compile (tilecompile/offload.py):
-here the nodes that make those inputs are tagged, and the report's offload lines that the partition did not carry
-out are turned into skips by the backend. Where the user's code already offloads (saved-tensors hooks), the
-backend sees the hooks on the stack when it compiles: the plan then leaves the layers checkpointed and says so.
+here the nodes that make those inputs are tagged, and the layer's call is marked with their positions among its
+operands (for the layer region it may become, whose own saved copies the partition then offloads); the report's
+offload lines that the partition did not carry out are turned into skips by the backend. Where the user's code
+already offloads (saved-tensors hooks), the backend sees the hooks on the stack when it compiles: the plan then
+leaves the layers checkpointed and says so.
 """
 
 from __future__ import annotations
