@@ -719,20 +719,25 @@ def test_zero_fills_the_op_cannot_take_get_a_reason(form, reason):
     _assert_skipped_with(_BadFillExperts(form), reason)
 
 
+def _step_equals_eager(family, checkpointing, **options):
+    """The family's tiny model (HF checkpointing on or off) compiled with ``options``: logits, grads equal eager's."""
+    model = _model(family)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    out = _step(_compile(model, **options), ids)
+    assert_close(out, _step(ref, ids), rtol=RTOL, atol=ATOL, name="logits")
+    assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_experts_left_alone_where_tiling_does_not_pay(checkpointing):
     """With a token threshold set (``mlp_min_tokens`` > 0), experts whose saved activations (4 [S, I] tensors) are
     no more than what the tiled op would hold in its backward (a chunk's weight grad, the chunk budget, the carry)
     are left alone, the two sizes in the reason: per layer in a checkpoint body, summed over the graph's expert MLPs
     without checkpointing. The step still equals eager's."""
-    model = _model("mixtral")
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, VOCAB, (2, 7))
-    out = _step(_compile(model, mlp_min_tokens=1), ids)
-    assert_close(out, _step(ref, ids), rtol=RTOL, atol=ATOL, name="logits")
-    assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
+    _step_equals_eager("mixtral", checkpointing, mlp_min_tokens=1)
     assert not _rewrites(), tilecompile.report()
     reasons = [s.reason for s in _skips() if "experts" in s.module_path]
     assert len(reasons) == 2 and all("tiling does not pay" in r for r in reasons), reasons
@@ -748,14 +753,7 @@ def test_in_a_checkpoint_body_tiling_needs_body_factor_times_the_ops_bytes(monke
     from tilecompile.passes.mlp import experts
 
     monkeypatch.setattr(experts, "op_bytes", lambda m, *args: experts.saved_bytes(m) // ratio)
-    model = _model("qwen3_moe")
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, VOCAB, (2, 7))
-    out = _step(_compile(model, mlp_min_tokens=1), ids)
-    assert_close(out, _step(ref, ids), rtol=RTOL, atol=ATOL, name="logits")
-    assert_grads_close(model, ref, rtol=RTOL, atol=ATOL)
+    _step_equals_eager("qwen3_moe", checkpointing, mlp_min_tokens=1)
     assert len(_rewrites()) == (2 if tiled else 0), tilecompile.report()
     if not tiled:
         reasons = [s.reason for s in _skips() if "experts" in s.module_path]
