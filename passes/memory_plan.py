@@ -281,7 +281,7 @@ def offload_sources(
     if not layer.inputs:
         return "it has no checkpointed input of its own"
     found = []
-    computed = [a for a in layer.inputs if a.op != "placeholder"]  # the graph's inputs are held by the caller anyway
+    computed = computed_inputs(layer)  # the graph's inputs are held by the caller anyway
     if not computed:
         return "its input is an input of the compiled graph (held by the caller anyway: offloading frees nothing)"
     for a in computed:
@@ -319,9 +319,14 @@ def _copied_graph(body: fx.GraphModule) -> fx.Graph:
     return graph
 
 
+def computed_inputs(layer: Layer) -> list[fx.Node]:
+    """``layer``'s checkpointed inputs that the graph computes (its own inputs are the caller's to hold)."""
+    return [a for a in layer.inputs if a.op != "placeholder"]
+
+
 def host_bytes(layer: Layer) -> Any:
     """What offloading ``layer`` moves: its computed checkpointed inputs (not the graph's own inputs)."""
-    return sum((_bytes(fxgraph.example_value(a)) for a in layer.inputs if a.op != "placeholder"), 0)
+    return sum((_bytes(fxgraph.example_value(a)) for a in computed_inputs(layer)), 0)
 
 
 def choose_offload(layers: list[Layer], plan: Plan, room: int, host: int, every: bool, can: list[int]) -> list[int]:
@@ -488,7 +493,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         for node, index in offload_sources(gm, layer, sites, own=True):
             offload.tag(node, layer.where, index)
         layer.site.meta[offload.LAYER] = True
-        computed = {a for a in layer.inputs if a.op != "placeholder"}  # for the layer region the call may become
+        computed = computed_inputs(layer)  # their positions, for the layer region the call may become
         offload.mark_operands(layer.site, layer.where, [p for p, a in enumerate(layer.site.args[1:]) if a in computed])
         because = ("offload=all" if every else
                    f"the layers' checkpointed inputs ({gib(plan.saved)}) and one layer's recompute "

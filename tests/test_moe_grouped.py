@@ -115,16 +115,16 @@ def test_weight_grad_carry_equals_a_full_accumulator(chunk, dtype, grad_accum):
     cut by chunk edges, gives bit for bit what an [E, K, N] accumulator in the accumulation dtype gives (the parts
     summed in chunk order, rounded once); experts with no rows get zero, whatever the grad held before."""
     from tilecompile.kernels import tiled_mlp_reference as reference
-    from tilecompile.ops.tiled_mlp import _acc_dtype
+    from tilecompile.ops.tiled_mlp import acc_dtype
 
     # idle experts first, in the middle and last; one expert of 19 rows (across several edges); 4 rows past the end
     offsets = torch.tensor([0, 0, 5, 24, 24, 25, 36, 36], dtype=torch.int32)
     rows, experts = 40, offsets.shape[0]
-    acc_dtype = _acc_dtype(torch.empty((), dtype=dtype), grad_accum)
+    accumulation = acc_dtype(dtype, grad_accum)
     g = torch.Generator().manual_seed(3)
     grad = torch.full((experts, 4, 6), float("nan"), dtype=dtype)
-    carry = torch.full((2, 4, 6), float("nan"), dtype=acc_dtype)
-    full = torch.zeros((experts, 4, 6), dtype=acc_dtype)
+    carry = torch.full((2, 4, 6), float("nan"), dtype=accumulation)
+    full = torch.zeros((experts, 4, 6), dtype=accumulation)
     bounds = list(zip([0, *offsets.tolist()[:-1]], offsets.tolist()))
     starts = list(range(0, rows, chunk))
     for index, s in enumerate(starts):
@@ -133,7 +133,7 @@ def test_weight_grad_carry_equals_a_full_accumulator(chunk, dtype, grad_accum):
         for e, (lo, hi) in enumerate(bounds):  # grouped_mm's grad is zero for an expert without rows in the chunk
             if max(lo, s) >= min(hi, t):
                 part[e] = 0
-        full += part.to(acc_dtype)
+        full += part.to(accumulation)
         reference.carry_accumulate_reference(grad, carry, part, offsets, s, t, rows, index, index == len(starts) - 1)
     assert torch.equal(grad, full.to(dtype))
     assert not grad[[0, 1, 4, 7]].any()

@@ -71,10 +71,10 @@ def region_input(gm: fx.GraphModule, n: fx.Node) -> tuple[str, fx.Node] | None:
         return None
     results = sub.graph.find_nodes(op="output")[0].args[0]
     made = results[j] if isinstance(results, (tuple, list)) and j < len(results) else None
-    inputs = sub.graph.find_nodes(op="placeholder")
-    if not isinstance(made, fx.Node) or made.op != "placeholder" or inputs.index(made) not in mark[1]:
+    if not isinstance(made, fx.Node) or made.op != "placeholder":
         return None
-    operand = call.args[2 + inputs.index(made)] if 2 + inputs.index(made) < len(call.args) else None
+    k = sub.graph.find_nodes(op="placeholder").index(made)
+    operand = call.args[2 + k] if k in mark[1] and 2 + k < len(call.args) else None
     return (mark[0], operand) if isinstance(operand, fx.Node) else None
 
 

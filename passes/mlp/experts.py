@@ -74,6 +74,7 @@ import torch.fx as fx
 import tilecompile.ops.tiled_grouped_mlp  # noqa: F401 - registers torch.ops.tilecompile.tiled_grouped_mlp
 from tilecompile import graph as fxgraph
 from tilecompile import reporting
+from tilecompile.ops.tiled_mlp import acc_dtype
 from tilecompile.pass_api import PassContext, PassResult, expect
 from tilecompile.passes.mlp import common
 
@@ -474,8 +475,7 @@ def op_bytes(m: GroupedMLP, budget_mb: int, grad_accum: str) -> int | None:
     d_out, dtype = fxgraph.hint(m.down.out_features), fxgraph.dtype(m.down.node)
     if None in (e, d, i, d_out) or dtype is None:
         return None
-    acc_itemsize = dtype.itemsize if grad_accum == "param" else max(4, dtype.itemsize)
-    carry = 2 * (2 * d * i + i * d_out) * acc_itemsize
+    carry = 2 * (2 * d * i + i * d_out) * acc_dtype(dtype, grad_accum).itemsize
     return carry + e * max(d, d_out) * i * dtype.itemsize + budget_mb * 2**20
 
 

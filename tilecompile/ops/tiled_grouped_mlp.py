@@ -284,7 +284,7 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
             _carry_accumulate(grads[key], carries[key], part, offs, s, t, n, index, index == chunks - 1)
 
     need_dgu = need_x or need_wg or need_wu
-    for index, (s, t, local, valid) in enumerate(_chunks(offsets, n, chunk)):
+    for index, (s, t, local, valid) in enumerate(_chunks(offs, n, chunk)):
         xc, dyc = x[s:t], grad_out[s:t]
         gu = _gate_up(xc, local, fused, gate_weight, up_weight)
         dh = torch._grouped_mm(dyc, down_weight.transpose(-2, -1), local)

@@ -125,9 +125,14 @@ def _accumulate_sum(acc: Tensor, t: Tensor) -> None:
     acc.add_(t.sum(0, dtype=acc.dtype))
 
 
+def acc_dtype(dtype: torch.dtype, grad_accum: str) -> torch.dtype:
+    """The dtype a ``dtype`` parameter's grad accumulates in: its own with ``grad_accum="param"``, else at least
+    fp32."""
+    return dtype if grad_accum == "param" else torch.promote_types(torch.float32, dtype)
+
+
 def _acc_dtype(p: Tensor, grad_accum: str) -> torch.dtype:
-    """The dtype ``p``'s grad accumulates in: ``p``'s own with ``grad_accum="param"``, else at least fp32."""
-    return p.dtype if grad_accum == "param" else torch.promote_types(torch.float32, p.dtype)
+    return acc_dtype(p.dtype, grad_accum)
 
 
 def _finish_grad(acc: Tensor | None, p: Tensor | None, x: Tensor) -> Tensor:
