@@ -180,6 +180,21 @@ def test_module_path():
     assert G.clean_path(peft + "._modules['layers']._modules['1'].mlp") == "base_model.model.model.layers.1.mlp"
 
 
+def test_module_path_of_a_module_reached_through_a_global():
+    """transformers >= 5.25 wraps functions such as apply_rotary_pos_emb in modules reached through a global: the
+    node belongs to the innermost module of the model's own tree (what a layer's common path is made from)."""
+    gm = capture(torch.nn.Linear(4, 4), X)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    node.meta["nn_module_stack"] = {
+        "a": ("L['model'].model.layers.0", torch.nn.Module),
+        "b": ("L['model'].model.layers.0.self_attn", torch.nn.Module),
+        "c": ("G['__import_transformers_dot_models_dot_qwen2'].apply_rotary_pos_emb", torch.nn.Module),
+    }
+    assert G.module_path(node) == "model.layers.0.self_attn"
+    node.meta["nn_module_stack"] = {"c": ("G['helpers'].rope", torch.nn.Module)}
+    assert G.module_path(node) == "G.helpers.rope"  # nothing of the model's tree: the global's path, as before
+
+
 def test_dead_code_elimination_keeps_calls_made_for_their_side_effects():
     """A user's Triton kernel is a call that returns nothing and writes into its arguments (Dynamo's
     ``triton_kernel_wrapper_mutation``); FX's own DCE drops it, leaving the output buffer uninitialised."""

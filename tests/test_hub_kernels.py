@@ -8,6 +8,12 @@ run without `kernels`; the last runs the real package where it is installed (CI'
 from __future__ import annotations
 
 import contextvars
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import types
 
 import pytest
@@ -168,3 +174,69 @@ def test_real_kernels_package_is_patched():
 
     assert hub_kernels.install()
     assert layer.CompileableContextVar.set.__name__ == "set" and hasattr(layer.CompileableContextVar.set, "__wrapped__")
+
+
+def _fresh_python(tmp_path, code: str) -> str:
+    """Runs ``code`` in a new interpreter (nothing imported yet), from ``tmp_path`` (first on its path); its stdout."""
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def test_kernels_imported_after_tilecompile_is_patched_on_import(tmp_path):
+    """transformers imports `kernels` when a model is built, after ``import tilecompile`` and before Dynamo's first
+    trace: the patch must be in place by then (the backend's first call is too late for that frame). A stand-in
+    package of the real module's shape stands first on the path."""
+    layer = tmp_path / "kernels" / "_internals" / "layer"
+    layer.mkdir(parents=True)
+    for folder in (layer.parent.parent, layer.parent, layer):
+        (folder / "__init__.py").write_text("")
+    (layer / "layer.py").write_text(inspect.getsource(_RoutingVar).replace("_RoutingVar", "CompileableContextVar"))
+    (layer / "layer.py").write_text("import contextvars\nimport torch\n\n" + (layer / "layer.py").read_text())
+    out = _fresh_python(
+        tmp_path,
+        f"""
+        import sys
+        import tilecompile.backend
+        assert {hub_kernels.MODULE!r} not in sys.modules
+        import kernels._internals.layer.layer as layer
+        print(layer.__file__, hasattr(layer.CompileableContextVar.set, "__wrapped__"))
+        """,
+    )
+    path, patched = out.split()
+    assert path.startswith(str(tmp_path)) and patched == "True", out
+
+
+def test_user_order_keeps_checkpointed_layers_in_one_graph(tmp_path):
+    """The user's order on a transformers release that routes through `kernels` (5.25 requires it): import
+    tilecompile, build a checkpointed model (transformers imports kernels here), compile, one step. Every layer is
+    rewritten in one graph. Skips where building the model does not import kernels."""
+    pytest.importorskip("transformers")
+    out = _fresh_python(
+        tmp_path,
+        f"""
+        import json, sys
+        import torch, tilecompile, transformers
+        cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2)
+        model = transformers.Qwen2ForCausalLM(cfg).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
+        model.config.use_cache = False
+        if {hub_kernels.MODULE!r} not in sys.modules:
+            print(json.dumps(None)); raise SystemExit
+        ids = torch.randint(0, 97, (2, 9))
+        step = torch.compile(lambda m, x: m(input_ids=x, labels=x).loss, backend="tilecompile",
+                             options=dict(strict=True, inner="aot_eager", mlp_min_tokens=0))
+        step(model, ids).backward()
+        rep = tilecompile.report()
+        print(json.dumps(dict(graphs=rep.graphs, counts=rep.counts, breaks=sum(rep.breaks.values()))))
+        """,
+    )
+    seen = json.loads(out.strip().splitlines()[-1])
+    if seen is None:
+        pytest.skip("building the model did not import kernels (this transformers does not route through it)")
+    assert seen["graphs"] == 1 and seen["breaks"] == 0, seen
+    assert seen["counts"]["attention"] == 3 and seen["counts"]["tiled_mlp"] == 3, seen

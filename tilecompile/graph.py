@@ -195,12 +195,16 @@ _BRACKET = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
 
 def module_path(node: fx.Node) -> str:
-    """The dotted path (``model.layers.0.mlp``) of the innermost module that produced ``node``."""
+    """The dotted path (``model.layers.0.mlp``) of the innermost module that produced ``node``. A module reached
+    through a global (``G['...'].apply_rotary_pos_emb``: transformers >= 5.25 wraps such functions in modules of
+    their own) is not part of the model's tree: the innermost module reached from the compiled function's own
+    names stands for it."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
-    return clean_path(path)
+    paths = [entry[0] for entry in stack.values()]
+    local = [p for p in paths if not p.startswith("G[")]
+    return clean_path((local or paths)[-1])
 
 
 def common_module_path(nodes: Iterable[fx.Node]) -> str:

@@ -18,17 +18,25 @@ every entry selects the class's own forward changes nothing any reader does. ``i
 and leaves every other call as it was: eager runs, kernelized modules and other values are untouched. The fix is
 narrower than Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``, which would let every side effect inside
 every checkpoint body of the user's run once in the forward and not in the recompute.
+
+transformers imports `kernels` lazily, when a model is built, which is usually after ``import tilecompile`` and
+before the first ``torch.compile`` trace; a patch made at the backend's first call would come too late (Dynamo has
+already split that frame, and keeps the split). So where the module is not imported yet, ``install()`` puts a finder
+on ``sys.meta_path`` that patches the class as soon as the module has run.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import logging
+import sys
 from typing import Any
 
 import torch
 
 log = logging.getLogger("tilecompile")
 
+MODULE = "kernels._internals.layer.layer"  # where CompileableContextVar lives (kernels 0.10 - 0.19)
 _SKIPPED = object()  # the token of a set that was skipped: its reset is skipped too
 _installed: type | None = None
 
@@ -65,15 +73,17 @@ def _patch(cls: type) -> None:
 
 def install() -> bool:
     """Patch ``kernels``' ``CompileableContextVar`` if the package is imported and has the shape described above;
-    False (nothing changed) otherwise. Called from the backend (before Dynamo traces) and when kernels is imported
-    later than tilecompile, on the backend's first call."""
+    False (nothing changed) otherwise. Where it is not imported yet, the patch waits for its import (the finder
+    below). Called when the backend is loaded, and on its first call."""
     global _installed
-    import sys
-
-    module = sys.modules.get("kernels._internals.layer.layer")
+    module = sys.modules.get(MODULE)
     cls = getattr(module, "CompileableContextVar", None)
-    if cls is None or _installed is cls:
-        return _installed is cls and cls is not None
+    if cls is None:
+        if module is None and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _PatchOnImport())
+        return False
+    if _installed is cls:
+        return True
     if not all(callable(getattr(cls, m, None)) for m in ("get", "set", "reset")):
         log.info("kernels' CompileableContextVar has another shape; its routing is left as it is")
         return False
@@ -83,3 +93,33 @@ def install() -> bool:
     _patch(cls)
     _installed = cls
     return True
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds ``MODULE`` through the other finders and has its loader call ``install()`` once the module has run; it
+    leaves every other import, and the module itself, as they are."""
+
+    def find_spec(self, name, path, target=None):
+        if name != MODULE:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module):
+            run(module)
+            try:
+                install()
+            except Exception as e:  # the patch is an optimisation: a failure must not break the user's import
+                log.info("kernels' CompileableContextVar was not patched: %s", e)
+
+        loader.exec_module = exec_module  # this module's loader instance only
+        return spec
