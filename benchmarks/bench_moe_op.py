@@ -6,6 +6,8 @@ sort them; weights in HF's layout (``gate_up_proj`` [E, 2I, D], ``down_proj`` [E
 backward (dx and both weight grads) of:
   grouped_mm     F.grouped_mm(x, Wguᵀ) -> silu(g) * u -> F.grouped_mm(h, Wdᵀ), autograd saving its activations
   tiled          the op, grouped path (grouped_mm over token chunks, no host sync), per ``--chunks`` and grad_accum
+  tiled_part     the op at the budget's chunk with each chunk's weight grads from grouped_mm ([E, K, N], all experts)
+                 and the carry, as before the grouped_wgrad kernel
   tiled_loop     the op's per-expert loop path (the one before issue 42: torch.mm per expert and chunk, host syncs)
 Median of ``--repeats`` steps (CUDA events, after 2 warm-up steps); TFLOP/s with each method's own FLOPs:
   grouped_mm: 18·S·D·I (forward 6, backward 12),  tiled: 22·S·D·I (+ 4 for the gate/up GEMM recomputed)
@@ -165,6 +167,23 @@ def main() -> None:
             grad_err=grad_err(dict(chunk=chunk, grad_accum=accum)),
             note="chunk from mlp_chunk_budget_mb=256" if chunk == 0 else "",
         )
+    grouped_op.USE_WGRAD_KERNEL = False  # the weight grads as before the kernel: grouped_mm's part, then the carry
+    try:
+        ms, gib = measure(step_tiled, data, {}, args.repeats)
+        err = grad_err({})
+    finally:
+        grouped_op.USE_WGRAD_KERNEL = True
+    row(
+        method="tiled_part",
+        tokens=tokens,
+        rows=rows,
+        chunk=grouped_op._chunk(rows, args.inter, torch.bfloat16, 0, 256),
+        grad_accum="fp32",
+        **speed(unit, ms, base_ms, 22),
+        peak_extra_gib=round(gib, 3),
+        grad_err=err,
+        note="weight grads: grouped_mm's [E, K, N] part per chunk, then the carry (before grouped_wgrad)",
+    )
     if not args.no_loop:
         grouped_op.USE_GROUPED = False
         try:

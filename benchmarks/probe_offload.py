@@ -5,13 +5,21 @@ and gradients against the offloaded step's, peak GPU memory, the pool's pinned h
 exact bytes), step time and the report's plan lines. A small Qwen2 (4 layers, hidden 1024, bf16 weights) at
 ``--tokens`` tokens, one row each.
 
+``--snapshot``: the last repeat runs under the CUDA allocator's memory history; each row then also has
+``at_peak``, the allocations live at the step's peak of allocated bytes, grouped by the line that made them (the
+innermost frame outside torch's own Python files, with its source text, so Inductor's generated ``call`` shows its
+buffer), largest first.
+
 usage: python benchmarks/probe_offload.py [--tokens 16384] [--layers 4] [--repeats 3] [--variants regions,offload]
+                                          [--snapshot]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import linecache
+import os
 import time
 
 import torch
@@ -49,13 +57,20 @@ def run(options: dict, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(args.repeats):
+    at_peak = None
+    for r in range(args.repeats):
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        record = args.snapshot and r == args.repeats - 1
+        if record:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
         t = time.perf_counter()
         f(model, ids).backward()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        if record:
+            at_peak = live_at_peak(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
     host = offload.host_stats()
     report = tilecompile.report()
     plan = [r.detail[:120] for r in report.rewrites if r.pass_name == "memory_plan"][:2]
@@ -64,7 +79,47 @@ def run(options: dict, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     return {"options": options, "loss": loss.item(), "grads": grads, "step_s": min(times),
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "host_peak_bytes": host["peak"],
             "host_held_bytes": host["held"], "inputs_bytes": exact if options.get("offload") == "all" else 0,
-            "plan": plan}  # fmt: skip
+            "plan": plan, **({"at_peak": at_peak} if at_peak is not None else {})}  # fmt: skip
+
+
+def _origin(frames: list[dict]) -> str:
+    """The innermost frame outside torch's own Python files (Inductor's generated code is outside them), with its
+    source line."""
+    torch_dir = os.path.dirname(torch.__file__)
+    for fr in frames:
+        name = fr.get("filename", "")
+        if name.startswith(torch_dir) and "torchinductor" not in name:
+            continue
+        text = linecache.getline(name, fr.get("line", 0)).strip()
+        return f"{os.path.basename(name)}:{fr.get('line')}:{fr.get('name')}: {text[:110]}"
+    return "(torch only) " + (f"{frames[0].get('name')}" if frames else "")
+
+
+def live_at_peak(snapshot: dict, top: int = 14) -> dict:
+    """Replays the allocator's trace (allocated bytes fall at a free's request, as ``max_memory_allocated``'s do):
+    the peak, and the allocations live then, by origin, largest first."""
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    live: dict[int, tuple[int, list]] = {}
+    now = best = 0
+    best_live: dict[int, tuple[int, list]] = {}
+    for e in trace:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], e.get("frames", []))
+            now += e["size"]
+            if now > best:
+                best, best_live = now, dict(live)
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            now -= live.pop(e["addr"])[0]
+    groups: dict[str, list[int]] = {}
+    for size, frames in best_live.values():
+        g = groups.setdefault(_origin(frames), [0, 0])
+        g[0] += size
+        g[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "traced_peak_gib": round(best / 2**30, 3),  # above what was allocated when the recording began
+        "by_origin": [f"{b / 2**20:9.1f} MiB x{n:<3d} {origin}" for origin, (b, n) in rows],
+    }
 
 
 # Inductor's reorder_for_peak_memory is on by default for graphs without regions (the backend turns it off for graphs
@@ -86,6 +141,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", default="regions,flat,offload", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--snapshot", action="store_true", help="what is live at the last step's peak, by origin")
     args = ap.parse_args()
     torch.manual_seed(1)
     ids = torch.randint(0, 32000, (1, args.tokens), device="cuda")

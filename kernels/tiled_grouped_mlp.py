@@ -20,6 +20,11 @@ writes slot ``c % 2``), so an expert that crosses both edges reads and writes di
 the chunks' parts summed in chunk order in the carry's dtype and rounded once: what an [E, K, N] accumulator gives,
 bit for bit, in 2·K·N elements instead of E·K·N.
 
+``_grouped_wgrad_kernel`` is the same scheme with the chunk's weight-grad GEMM in it: for each expert with rows
+in the chunk, ``aᵀ b`` over those rows (a [rows, K], b [rows, N], the chunk's), summed in fp32 in registers, the
+carry added and the result stored as above. No [E, K, N] part is written: a chunk costs the GEMM of the experts it
+has, where ``grouped_mm`` writes every expert's grad (zeros for the rest) for the carry to read back.
+
 The same math in plain PyTorch (the CPU implementation and the kernels' reference) is in
 ``kernels/tiled_mlp_reference.py``; tests/test_moe_grouped.py compares the two under TRITON_INTERPRET=1.
 """
@@ -38,7 +43,7 @@ if HAS_TRITON:
 
     from tilecompile.kernels.tiled_mlp import _gated_act
 
-__all__ = ["HAS_TRITON", "act_backward", "act_mul", "carry_accumulate"]
+__all__ = ["HAS_TRITON", "act_backward", "act_mul", "carry_accumulate", "grouped_wgrad"]
 
 _BLOCK = 1024
 _ACC_BLOCK = 4096
@@ -112,6 +117,44 @@ if HAS_TRITON:
                 tl.store(grad_ptr + e.to(tl.int64) * per_expert + offs, val.to(grad_ptr.dtype.element_ty),
                          mask=valid)  # fmt: skip
 
+    @triton.jit
+    def _grouped_wgrad_kernel(
+        a_ptr, b_ptr, grad_ptr, carry_ptr, offs_ptr, K, N, stride_a, stride_b, start, stop, rows, slot_in, slot_out,
+        LAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        # grid (tiles of [K, N], experts); a and b hold the chunk's rows only (row start..stop-1 is a's row 0..)
+        e = tl.program_id(1)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        pk, pn = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
+        hi = tl.minimum(tl.load(offs_ptr + e), rows)
+        lo = tl.minimum(tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0), rows)
+        r0, r1 = tl.maximum(lo, start) - start, tl.minimum(hi, stop) - start
+        present = r0 < r1
+        empty = hi <= lo
+        if present | (LAST & empty):
+            ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+            ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+            # an empty expert's loop runs no step (r0 >= r1): its grad is the zeros
+            for r in range(r0, r1, BLOCK_R):
+                rs = r + tl.arange(0, BLOCK_R)
+                in_rows = rs < r1  # the expert's last rows: the next expert's are not its own
+                a = tl.load(a_ptr + rs.to(tl.int64)[:, None] * stride_a + ks[None, :],
+                            mask=in_rows[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
+                b = tl.load(b_ptr + rs.to(tl.int64)[:, None] * stride_b + ns[None, :],
+                            mask=in_rows[:, None] & (ns[None, :] < N), other=0.0)  # fmt: skip
+                acc += tl.dot(tl.trans(a), b)
+            per_expert = K.to(tl.int64) * N
+            tile = ks.to(tl.int64)[:, None] * N + ns[None, :]
+            inside = (ks[:, None] < K) & (ns[None, :] < N)
+            if present & (lo < start):  # its rows began in an earlier chunk: that chunk's carry
+                acc += tl.load(carry_ptr + slot_in * per_expert + tile, mask=inside, other=0.0).to(tl.float32)
+            if present & (hi > stop):  # its rows go on in the next chunk
+                tl.store(carry_ptr + slot_out * per_expert + tile, acc.to(carry_ptr.dtype.element_ty), mask=inside)
+            else:
+                tl.store(grad_ptr + e.to(tl.int64) * per_expert + tile, acc.to(grad_ptr.dtype.element_ty),
+                         mask=inside)  # fmt: skip
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # launchers
@@ -164,4 +207,29 @@ def carry_accumulate(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor,
         _grouped_grad_carry_kernel[grid](
             grad, carry, part, offsets, per_expert, start, stop, rows, (index + 1) % 2, index % 2, LAST=last,
             BLOCK=_ACC_BLOCK,
+        )  # fmt: skip
+
+
+# one config for Hopper-class GPUs (bf16 tensor cores; measured in benchmarks/bench_moe_op.py)
+_WGRAD = dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=3)
+
+
+def grouped_wgrad(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Tensor, start: int, stop: int,
+                  rows: int, index: int, last: bool) -> None:  # fmt: skip
+    """Chunk ``index`` (rows ``start:stop`` of ``rows``) of a weight grad, ``aᵀ b`` per expert over the chunk's
+    rows (``a`` [stop - start, K], ``b`` [stop - start, N], each with unit column stride), into ``grad`` [E, K, N]
+    and the carry [2, K, N], as ``carry_accumulate`` does with ``grouped_mm``'s part; ``offsets`` [E] int32."""
+    experts, k, n = grad.shape
+    if a.shape != (stop - start, k) or b.shape != (stop - start, n) or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("tiled_grouped_mlp kernels: a [rows, K] and b [rows, N] of the chunk, unit column stride")
+    if not (grad.is_contiguous() and carry.is_contiguous()) or tuple(carry.shape) != (2, k, n):
+        raise ValueError("tiled_grouped_mlp kernels: grad [E, K, N] and carry [2, K, N] must be contiguous")
+    if offsets.shape != (experts,) or offsets.dtype != torch.int32 or a.dtype != b.dtype:
+        raise ValueError("tiled_grouped_mlp kernels: offsets must be [E] int32, a and b one dtype")
+    if experts and k and n:
+        cfg = _WGRAD
+        grid = (triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"]), experts)
+        _grouped_wgrad_kernel[grid](
+            a, b, grad, carry, offsets, k, n, a.stride(0), b.stride(0), start, stop, rows, (index + 1) % 2, index % 2,
+            LAST=last, **cfg,
         )  # fmt: skip

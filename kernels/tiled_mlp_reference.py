@@ -87,3 +87,15 @@ def carry_accumulate_reference(grad: Tensor, carry: Tensor, part: Tensor, offset
         finish = finish | (hi <= lo)
         val = torch.where((hi <= lo)[:, None, None], 0, val)
     grad.copy_(torch.where(finish[:, None, None], val.to(grad.dtype), grad))
+
+
+def grouped_wgrad_reference(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Tensor, start: int,
+                            stop: int, rows: int, index: int, last: bool) -> None:  # fmt: skip
+    """kernels/tiled_grouped_mlp.py's ``grouped_wgrad``: the chunk's per-expert ``aᵀ b`` (rows ``start:stop``) in
+    fp32, into ``grad`` and the carry as ``carry_accumulate_reference`` puts a part."""
+    at = torch.arange(start, stop, device=a.device)
+    hi = offsets.to(torch.int64).clamp(max=rows)
+    lo = torch.cat((hi.new_zeros(1), hi[:-1]))
+    member = ((lo[:, None] <= at) & (at < hi[:, None])).float()  # [E, chunk rows]: the row is the expert's
+    part = torch.einsum("er,rk,rn->ekn", member, a.float(), b.float())
+    carry_accumulate_reference(grad, carry, part, offsets, start, stop, rows, index, last)

@@ -326,6 +326,26 @@ _TRITON_WORKER = textwrap.dedent(
             K.carry_accumulate(grads[0], carries[0], *args)
             reference.carry_accumulate_reference(grads[1], carries[1], *args)
         assert torch.equal(grads[0], grads[1]), (dtype, carry_dtype, (grads[0] - grads[1]).abs().max())
+    # the weight-grad GEMM with the carry in it, on the same chunks (b a column slice, as gu[:, :I] is)
+    for dtype, carry_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32),
+                               (torch.float16, torch.float16)):
+        grads = [torch.full((7, 5, 6), float("nan"), dtype=dtype) for _ in range(2)]
+        carries = [torch.full((2, 5, 6), float("nan"), dtype=carry_dtype) for _ in range(2)]
+        a_all, b_all = torch.randn(40, 5).to(dtype), torch.randn(40, 13).to(dtype)
+        for index, s in enumerate(range(0, 40, 8)):
+            args = (a_all[s:s + 8], b_all[s:s + 8, 3:9], offsets, s, s + 8, 40, index, index == 4)
+            K.grouped_wgrad(grads[0], carries[0], *args)
+            reference.grouped_wgrad_reference(grads[1], carries[1], *args)
+        tol = 1e-5 if dtype == torch.float32 else 5e-3  # an fp16 carry: the reference rounds the part first
+        assert torch.allclose(grads[0].float(), grads[1].float(), rtol=tol, atol=tol), (dtype, carry_dtype,
+                                                                                  (grads[0] - grads[1]).abs().max())
+        exact = torch.zeros(7, 5, 6, dtype=torch.float64)  # every expert's rows, in float64
+        bounds = [0, *offsets.tolist()]
+        for e in range(7):
+            rows = slice(bounds[e], bounds[e + 1])
+            exact[e] = a_all[rows].double().t() @ b_all[rows, 3:9].double()
+        worst = (grads[0].double() - exact).abs().max()
+        assert torch.allclose(grads[0].double(), exact, rtol=4 * tol, atol=4 * tol), (dtype, carry_dtype, worst)
 
     # the whole op with the kernels, against the op with their reference
     op._TRITON_ON_CPU = True

@@ -159,6 +159,7 @@ def _chunk(rows: int, intermediate: int, dtype: torch.dtype, chunk_tokens: int, 
 USE_GROUPED = True  # module switch (benchmarks and tests compare both paths)
 USE_TRITON = True  # the grouped path's elementwise kernels on CUDA (else their PyTorch reference)
 _TRITON_ON_CPU = False  # tests flip this under TRITON_INTERPRET=1 to run the kernels on CPU tensors
+USE_WGRAD_KERNEL = True  # over several chunks: the weight grads by grouped_wgrad (else grouped_mm's part + the carry)
 _GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -277,10 +278,14 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
                 grads[k] = torch.empty(w.shape, device=w.device, dtype=w.dtype)
                 carries[k] = torch.empty((2, *w.shape[1:]), device=w.device, dtype=_acc_dtype(w, grad_accum))
 
-    def add_grad(key: str, part: Tensor, index: int, s: int, t: int) -> None:
+    def add_grad(key: str, a: Tensor, b: Tensor, local: Tensor, index: int, s: int, t: int) -> None:
+        """The chunk's weight grad aᵀ b per expert, into the grad."""
         if chunks == 1:
-            grads[key] = part
+            grads[key] = torch._grouped_mm(a.t(), b, local)
+        elif _use_triton(a) and USE_WGRAD_KERNEL:  # the GEMM and the carry in one kernel: only the chunk's experts
+            grouped_kernels.grouped_wgrad(grads[key], carries[key], a, b, offs, s, t, n, index, index == chunks - 1)
         else:
+            part = torch._grouped_mm(a.t(), b, local)
             _carry_accumulate(grads[key], carries[key], part, offs, s, t, n, index, index == chunks - 1)
 
     need_dgu = need_x or need_wg or need_wu
@@ -299,12 +304,12 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
             if need_wd:  # dWd = hᵀ (dy * w) = (h * w)ᵀ dy
                 dh.mul_(weight[s:t])
         if need_wd:
-            add_grad("d", torch._grouped_mm(dh.t(), dyc, local), index, s, t)
+            add_grad("d", dh, dyc, local, index, s, t)
         del dh
         if need_wg:
-            add_grad("g", torch._grouped_mm(xc.t(), gu[:, :i], local), index, s, t)
+            add_grad("g", xc, gu[:, :i], local, index, s, t)
         if need_wu:
-            add_grad("u", torch._grouped_mm(xc.t(), gu[:, i:], local), index, s, t)
+            add_grad("u", xc, gu[:, i:], local, index, s, t)
         if need_x and need_dgu:
             if fused is not None:
                 dxc = torch._grouped_mm(gu, fused.transpose(-2, -1), local)
