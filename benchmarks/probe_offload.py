@@ -127,6 +127,9 @@ def live_at_peak(snapshot: dict, top: int = 14) -> dict:
 # layer regions since 2026-12-06 ("offload"); "offload_flat" is the offloaded step as it was before
 VARIANTS = {
     "regions": {"memory_budget": 0.0},
+    # the plan on (a budget of a thousandth of the device: nothing kept, offload off): the device plan the offload's
+    # own compile is like, less the offload
+    "plan_device": {"memory_budget": 0.001},
     "flat": {"memory_budget": 0.0, "layer_regions": False},
     "offload": {"offload": "all"},
     "offload_flat": {"offload": "all", "layer_regions": False},

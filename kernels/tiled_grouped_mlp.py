@@ -119,8 +119,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _grouped_wgrad_kernel(
-        a_ptr, b_ptr, grad_ptr, carry_ptr, offs_ptr, K, N, stride_a, stride_b, start, stop, rows, slot_in, slot_out,
-        LAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        a_ptr, b_ptr, grad_ptr, carry_ptr, offs_ptr, K, N, per_expert, stride_a, stride_b, start, stop, rows, slot_in,
+        slot_out, LAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     ):  # fmt: skip
         # grid (tiles of [K, N], experts); a and b hold the chunk's rows only (row start..stop-1 is a's row 0..)
         e = tl.program_id(1)
@@ -144,7 +144,6 @@ if HAS_TRITON:
                 b = tl.load(b_ptr + rs.to(tl.int64)[:, None] * stride_b + ns[None, :],
                             mask=in_rows[:, None] & (ns[None, :] < N), other=0.0)  # fmt: skip
                 acc += tl.dot(tl.trans(a), b)
-            per_expert = K.to(tl.int64) * N
             tile = ks.to(tl.int64)[:, None] * N + ns[None, :]
             inside = (ks[:, None] < K) & (ns[None, :] < N)
             if present & (lo < start):  # its rows began in an earlier chunk: that chunk's carry
@@ -230,6 +229,6 @@ def grouped_wgrad(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Te
         cfg = _WGRAD
         grid = (triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"]), experts)
         _grouped_wgrad_kernel[grid](
-            a, b, grad, carry, offsets, k, n, a.stride(0), b.stride(0), start, stop, rows, (index + 1) % 2, index % 2,
-            LAST=last, **cfg,
+            a, b, grad, carry, offsets, k, n, k * n, a.stride(0), b.stride(0), start, stop, rows, (index + 1) % 2,
+            index % 2, LAST=last, **cfg,
         )  # fmt: skip
