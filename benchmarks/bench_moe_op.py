@@ -5,7 +5,8 @@ Shape: Qwen3-30B-A3B's experts (128 experts, D 2048, I 768, top 8, SiLU), bf16, 
 sort them; weights in HF's layout (``gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I]). One step is forward +
 backward (dx and both weight grads) of:
   grouped_mm     F.grouped_mm(x, Wguᵀ) -> silu(g) * u -> F.grouped_mm(h, Wdᵀ), autograd saving its activations
-  tiled          the op, grouped path (grouped_mm over token chunks, no host sync), per ``--chunks`` and grad_accum
+  tiled          the op, grouped path (grouped_mm over token chunks, no host sync), per ``--chunks`` and grad_accum,
+                 the weight grads by the grouped_wgrad kernel (``USE_WGRAD_KERNEL`` on, whatever its default)
   tiled_part     the op at the budget's chunk with each chunk's weight grads from grouped_mm ([E, K, N], all experts)
                  and the carry, as before the grouped_wgrad kernel
   tiled_loop     the op's per-expert loop path (the one before issue 42: torch.mm per expert and chunk, host syncs)
@@ -153,6 +154,8 @@ def main() -> None:
         peak_extra_gib=round(base_gib, 3),
     )
     variants = [(int(c), "fp32") for c in args.chunks.split(",") if c] + [(0, "param")]
+    default_wgrad = grouped_op.USE_WGRAD_KERNEL
+    grouped_op.USE_WGRAD_KERNEL = True  # the tiled rows: weight grads by grouped_wgrad; tiled_part: the old way
     for chunk, accum in variants:
         ms, gib = measure(step_tiled, data, dict(chunk=chunk, grad_accum=accum), args.repeats)
         auto = grouped_op._chunk(rows, args.inter, torch.bfloat16, chunk, 256)
@@ -172,7 +175,7 @@ def main() -> None:
         ms, gib = measure(step_tiled, data, {}, args.repeats)
         err = grad_err({})
     finally:
-        grouped_op.USE_WGRAD_KERNEL = True
+        grouped_op.USE_WGRAD_KERNEL = default_wgrad
     row(
         method="tiled_part",
         tokens=tokens,

@@ -347,8 +347,9 @@ _TRITON_WORKER = textwrap.dedent(
         worst = (grads[0].double() - exact).abs().max()
         assert torch.allclose(grads[0].double(), exact, rtol=4 * tol, atol=4 * tol), (dtype, carry_dtype, worst)
 
-    # the whole op with the kernels, against the op with their reference
+    # the whole op with the kernels (grouped_wgrad's weight grads too), against the op with their reference
     op._TRITON_ON_CPU = True
+    op.USE_WGRAD_KERNEL = True
     g = torch.Generator().manual_seed(1)
     x = torch.randn(90, 16, generator=g, requires_grad=True)
     gate_up = torch.randn(4, 48, 16, generator=g, requires_grad=True)

@@ -159,7 +159,9 @@ def _chunk(rows: int, intermediate: int, dtype: torch.dtype, chunk_tokens: int, 
 USE_GROUPED = True  # module switch (benchmarks and tests compare both paths)
 USE_TRITON = True  # the grouped path's elementwise kernels on CUDA (else their PyTorch reference)
 _TRITON_ON_CPU = False  # tests flip this under TRITON_INTERPRET=1 to run the kernels on CPU tensors
-USE_WGRAD_KERNEL = True  # over several chunks: the weight grads by grouped_wgrad (else grouped_mm's part + the carry)
+# over several chunks, on CUDA: the weight grads by grouped_wgrad (else grouped_mm's [E, K, N] part, then the carry).
+# Off until it is measured on a GPU (checked only under TRITON_INTERPRET=1 so far); bench_moe_op.py times both
+USE_WGRAD_KERNEL = False
 _GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.float32, torch.bfloat16, torch.float16)}
 
 
