@@ -1,13 +1,20 @@
 #!/bin/bash
 # Issue 42, one device call: the Qwen3-30B-A3B step (4 of 48 layers, checkpointing on) with the experts left alone
-# against tiled (the routing-weight multiply in the op since ae29d70), no memory plan for either, then the op alone.
-# usage (on the device, repo root): bash benchmarks/gpu_moe.sh OUTDIR
+# against tiled, no memory plan for either, Inductor's step at 32k in the same call, then the op alone.
+# usage (on the device, repo root): bash benchmarks/gpu_moe.sh OUTDIR [all|step|op]
+#   step: the three step runs (about 8 minutes); op: bench_moe_op.py alone (about 2.5 minutes); all: both
 set -u
 out=${1:?OUTDIR}
+part=${2:-all}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-e2e() { python3 benchmarks/e2e.py --models 30b-a3b --layers 4 --checkpointing on --lengths 8192,32768 --methods tilecompile --repeats 2 --csv "$out/e2e_moe.csv" "$@" 2>&1 | grep -v "^W1\|Warning" | tail -5; }
-e2e --env TILECOMPILE_MEMORY_BUDGET=0 --note "experts left alone (check_pays)" --budget 170
-e2e --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_MIN_TOKENS=0 --note "experts tiled, routing weight in the op" --budget 170
-timeout 150 python3 benchmarks/bench_moe_op.py --repeats 5 --memory-tokens "" --csv "$out/moe_op.csv" 2>&1 | grep -v "^W1\|Warning" | tail -12
+e2e() { python3 benchmarks/e2e.py --models 30b-a3b --layers 4 --checkpointing on --repeats 2 --csv "$out/e2e_moe.csv" "$@" 2>&1 | grep -v "^W1\|Warning" | grep "ok=\|cut\|skipped"; }
+if [ "$part" != op ]; then
+e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0 --note "experts left alone (check_pays)" --budget 150
+e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_MIN_TOKENS=0 --note "experts tiled" --budget 150
+e2e --methods inductor --lengths 32768 --budget 150
+fi
+if [ "$part" != step ]; then
+timeout 200 python3 benchmarks/bench_moe_op.py --repeats 5 --memory-tokens "" --no-loop --chunks 0,65536,262144 --csv "$out/moe_op.csv" 2>&1 | grep -v "^W1\|Warning" | tail -9
+fi
