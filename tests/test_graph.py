@@ -191,8 +191,13 @@ def test_module_path_of_a_module_reached_through_a_global():
         "c": ("G['__import_transformers_dot_models_dot_qwen2'].apply_rotary_pos_emb", torch.nn.Module),
     }
     assert G.module_path(node) == "model.layers.0.self_attn"
+    node.meta["nn_module_stack"] = {  # a model that is itself a global: its own tree, not the wrapper's
+        "a": ("G['model'].model.layers[1]", torch.nn.Module),
+        "c": ("G['__import_transformers_dot_models_dot_qwen2'].apply_rotary_pos_emb", torch.nn.Module),
+    }
+    assert G.module_path(node) == G.clean_path("G['model'].model.layers[1]")
     node.meta["nn_module_stack"] = {"c": ("G['helpers'].rope", torch.nn.Module)}
-    assert G.module_path(node) == "G.helpers.rope"  # nothing of the model's tree: the global's path, as before
+    assert G.module_path(node) == G.clean_path("G['helpers'].rope")  # the only module: its path, as before
 
 
 def test_dead_code_elimination_keeps_calls_made_for_their_side_effects():

@@ -196,15 +196,20 @@ _BRACKET = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
 def module_path(node: fx.Node) -> str:
     """The dotted path (``model.layers.0.mlp``) of the innermost module that produced ``node``. A module reached
-    through a global (``G['...'].apply_rotary_pos_emb``: transformers >= 5.25 wraps such functions in modules of
-    their own) is not part of the model's tree: the innermost module reached from the compiled function's own
-    names stands for it."""
+    from another root than the outermost module's (``G['...'].apply_rotary_pos_emb`` inside ``L['model']``:
+    transformers >= 5.25 wraps such functions in modules of their own, reached through a global) is not part of the
+    model's tree: the innermost module of that tree stands for it."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
     paths = [entry[0] for entry in stack.values()]
-    local = [p for p in paths if not p.startswith("G[")]
-    return clean_path((local or paths)[-1])
+    root = _root(paths[0])
+    return clean_path([p for p in paths if _root(p) == root][-1])
+
+
+def _root(path: str) -> str:
+    """``L['model']`` of ``L['model'].model.layers[0]``; Dynamo's sources begin with ``L[...]`` or ``G[...]``."""
+    return path.split("]", 1)[0] if path[:2] in ("L[", "G[") else path.split(".", 1)[0]
 
 
 def common_module_path(nodes: Iterable[fx.Node]) -> str:

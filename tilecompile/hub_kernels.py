@@ -36,7 +36,7 @@ import torch
 
 log = logging.getLogger("tilecompile")
 
-MODULE = "kernels._internals.layer.layer"  # where CompileableContextVar lives (kernels 0.10 - 0.19)
+MODULE = "kernels._internals.layer.layer"  # where CompileableContextVar lives (kernels 0.19)
 _SKIPPED = object()  # the token of a set that was skipped: its reset is skipped too
 _installed: type | None = None
 
