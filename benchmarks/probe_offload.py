@@ -99,17 +99,23 @@ def live_at_peak(snapshot: dict, top: int = 14) -> dict:
     """Replays the allocator's trace (allocated bytes fall at a free's request, as ``max_memory_allocated``'s do):
     the peak, and the allocations live then, by origin, largest first."""
     trace = snapshot["device_traces"][torch.cuda.current_device()]
-    live: dict[int, tuple[int, list]] = {}
-    now = best = 0
-    best_live: dict[int, tuple[int, list]] = {}
-    for e in trace:
-        if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], e.get("frames", []))
-            now += e["size"]
-            if now > best:
-                best, best_live = now, dict(live)
-        elif e["action"] == "free_requested" and e["addr"] in live:
-            now -= live.pop(e["addr"])[0]
+
+    def replay(upto: int) -> tuple[dict[int, tuple[int, list]], int, int]:
+        """The allocations live after entry ``upto``, and (the peak, its entry) up to there."""
+        live: dict[int, tuple[int, list]] = {}
+        now = best = at = 0
+        for i, e in enumerate(trace[: upto + 1]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = (e["size"], e.get("frames", []))
+                now += e["size"]
+                if now > best:
+                    best, at = now, i
+            elif e["action"] == "free_requested" and e["addr"] in live:
+                now -= live.pop(e["addr"])[0]
+        return live, best, at
+
+    _, best, at = replay(len(trace) - 1)
+    best_live = replay(at)[0]  # a second pass to the peak's entry: no copy of the live set at every new peak
     groups: dict[str, list[int]] = {}
     for size, frames in best_live.values():
         g = groups.setdefault(_origin(frames), [0, 0])

@@ -93,6 +93,16 @@ if HAS_TRITON:
         tl.store(dh_ptr + offs, h.to(dh_ptr.dtype.element_ty), mask=valid)
 
     @triton.jit
+    def _carry_store(val, grad_ptr, carry_ptr, e, per_expert, at, mask, slot_in, slot_out, begun, goes_on):
+        # expert e's fp32 sum of this chunk (``at``: offsets within one expert's [K, N]), the two carries' rule
+        if begun:  # its rows began in an earlier chunk: that chunk's carry
+            val += tl.load(carry_ptr + slot_in * per_expert + at, mask=mask, other=0.0).to(tl.float32)
+        if goes_on:  # its rows go on in the next chunk
+            tl.store(carry_ptr + slot_out * per_expert + at, val.to(carry_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(grad_ptr + e.to(tl.int64) * per_expert + at, val.to(grad_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _grouped_grad_carry_kernel(
         grad_ptr, carry_ptr, part_ptr, offs_ptr, per_expert, start, stop, rows, slot_in, slot_out,
         LAST: tl.constexpr, BLOCK: tl.constexpr,
@@ -107,15 +117,10 @@ if HAS_TRITON:
             offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             valid = offs < per_expert
             val = tl.load(part_ptr + e.to(tl.int64) * per_expert + offs, mask=valid, other=0.0).to(tl.float32)
-            if present & (lo < start):  # its rows began in an earlier chunk: that chunk's carry
-                val += tl.load(carry_ptr + slot_in * per_expert + offs, mask=valid, other=0.0).to(tl.float32)
             if empty:
                 val = tl.zeros((BLOCK,), dtype=tl.float32)
-            if present & (hi > stop):  # its rows go on in the next chunk
-                tl.store(carry_ptr + slot_out * per_expert + offs, val.to(carry_ptr.dtype.element_ty), mask=valid)
-            else:
-                tl.store(grad_ptr + e.to(tl.int64) * per_expert + offs, val.to(grad_ptr.dtype.element_ty),
-                         mask=valid)  # fmt: skip
+            _carry_store(val, grad_ptr, carry_ptr, e, per_expert, offs, valid, slot_in, slot_out,
+                         present & (lo < start), present & (hi > stop))  # fmt: skip
 
     @triton.jit
     def _grouped_wgrad_kernel(
@@ -146,13 +151,8 @@ if HAS_TRITON:
                 acc += tl.dot(tl.trans(a), b)
             tile = ks.to(tl.int64)[:, None] * N + ns[None, :]
             inside = (ks[:, None] < K) & (ns[None, :] < N)
-            if present & (lo < start):  # its rows began in an earlier chunk: that chunk's carry
-                acc += tl.load(carry_ptr + slot_in * per_expert + tile, mask=inside, other=0.0).to(tl.float32)
-            if present & (hi > stop):  # its rows go on in the next chunk
-                tl.store(carry_ptr + slot_out * per_expert + tile, acc.to(carry_ptr.dtype.element_ty), mask=inside)
-            else:
-                tl.store(grad_ptr + e.to(tl.int64) * per_expert + tile, acc.to(grad_ptr.dtype.element_ty),
-                         mask=inside)  # fmt: skip
+            _carry_store(acc, grad_ptr, carry_ptr, e, per_expert, tile, inside, slot_in, slot_out,
+                         present & (lo < start), present & (hi > stop))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -282,12 +282,13 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
 
     def add_grad(key: str, a: Tensor, b: Tensor, local: Tensor, index: int, s: int, t: int) -> None:
         """The chunk's weight grad aᵀ b per expert, into the grad."""
-        if chunks == 1:
-            grads[key] = torch._grouped_mm(a.t(), b, local)
-        elif _use_triton(a) and USE_WGRAD_KERNEL:  # the GEMM and the carry in one kernel: only the chunk's experts
+        if chunks != 1 and _use_triton(a) and USE_WGRAD_KERNEL:  # the GEMM and the carry in one kernel
             grouped_kernels.grouped_wgrad(grads[key], carries[key], a, b, offs, s, t, n, index, index == chunks - 1)
+            return
+        part = torch._grouped_mm(a.t(), b, local)
+        if chunks == 1:
+            grads[key] = part
         else:
-            part = torch._grouped_mm(a.t(), b, local)
             _carry_accumulate(grads[key], carries[key], part, offs, s, t, n, index, index == chunks - 1)
 
     need_dgu = need_x or need_wg or need_wu
