@@ -5,10 +5,12 @@ and gradients against the offloaded step's, peak GPU memory, the pool's pinned h
 exact bytes), step time and the report's plan lines. A small Qwen2 (4 layers, hidden 1024, bf16 weights) at
 ``--tokens`` tokens, one row each.
 
-``--snapshot``: the last repeat runs under the CUDA allocator's memory history; each row then also has
-``at_peak``, the allocations live at the step's peak of allocated bytes, grouped by the line that made them (the
-innermost frame outside torch's own Python files, with its source text, so Inductor's generated ``call`` shows its
-buffer), largest first.
+``--snapshot``: the whole run, from the model's build, runs under the CUDA allocator's memory history; each row then
+also has ``at_peak``: the allocations live when the last repeat starts (``at_start``: the weights, the grads, and
+whatever a step keeps for the next one) and at that step's peak of allocated bytes (``by_origin``), each grouped by
+the line that made them (the innermost frame outside torch's own Python files, with its source text, so Inductor's
+generated ``call`` shows its buffer), largest first. ``repeats_start_peak_gib``: per repeat, the bytes allocated at
+its start and its peak.
 
 usage: python benchmarks/probe_offload.py [--tokens 16384] [--layers 4] [--repeats 3] [--variants regions,offload]
                                           [--snapshot]
@@ -49,37 +51,48 @@ def run(options: dict, args: argparse.Namespace, ids: torch.Tensor) -> dict:
 
     tilecompile.reset()
     torch._dynamo.reset()
+    if args.snapshot:  # from before the model is built, so what a step starts with has its origin too
+        torch.cuda.memory._record_memory_history(max_entries=_MAX_ENTRIES, stacks="python")
     model = build(args.layers)
     f = torch.compile(step, backend="tilecompile", options=options)
     loss = f(model, ids)
     loss.backward()
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    at_peak = None
+    times, repeats, mark = [], [], 0
     for r in range(args.repeats):
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        record = args.snapshot and r == args.repeats - 1
-        if record:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        if args.snapshot and r == args.repeats - 1:
+            mark = len(_trace(torch.cuda.memory._snapshot()))
         t = time.perf_counter()
         f(model, ids).backward()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-        if record:
-            at_peak = live_at_peak(torch.cuda.memory._snapshot())
-            torch.cuda.memory._record_memory_history(enabled=None)
+        repeats.append([round(start / 2**30, 3), round(torch.cuda.max_memory_allocated() / 2**30, 3)])
+    at_peak = None
+    if args.snapshot:
+        at_peak = live_at_peak(_trace(torch.cuda.memory._snapshot()), mark)
+        torch.cuda.memory._record_memory_history(enabled=None)
     host = offload.host_stats()
     report = tilecompile.report()
     plan = [r.detail[:120] for r in report.rewrites if r.pass_name == "memory_plan"][:2]
     plan += [s.reason[:160] for s in report.skipped if s.pass_name == "memory_plan"][:2]
     exact = args.layers * ids.numel() * model.config.hidden_size * 2  # the layers' bf16 inputs
     return {"options": options, "loss": loss.item(), "grads": grads, "step_s": min(times),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "host_peak_bytes": host["peak"],
+            "peak_gib": max(p for _, p in repeats), "repeats_start_peak_gib": repeats, "host_peak_bytes": host["peak"],
             "host_held_bytes": host["held"], "inputs_bytes": exact if options.get("offload") == "all" else 0,
             "plan": plan, **({"at_peak": at_peak} if at_peak is not None else {})}  # fmt: skip
+
+
+_MAX_ENTRIES = 2_000_000
+
+
+def _trace(snapshot: dict) -> list[dict]:
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    assert len(trace) < _MAX_ENTRIES, "the allocator's trace wrapped; raise _MAX_ENTRIES"
+    return trace
 
 
 def _origin(frames: list[dict]) -> str:
@@ -95,36 +108,42 @@ def _origin(frames: list[dict]) -> str:
     return "(torch only) " + (f"{frames[0].get('name')}" if frames else "")
 
 
-def live_at_peak(snapshot: dict, top: int = 14) -> dict:
+def live_at_peak(trace: list[dict], mark: int, top: int = 14) -> dict:
     """Replays the allocator's trace (allocated bytes fall at a free's request, as ``max_memory_allocated``'s do):
-    the peak, and the allocations live then, by origin, largest first."""
-    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    what is live at entry ``mark`` (the last step's start: weights, grads, whatever a step keeps for the next), the
+    step's peak after it, and the allocations live then, by origin, largest first."""
 
-    def replay(upto: int) -> tuple[dict[int, tuple[int, list]], int, int]:
-        """The allocations live after entry ``upto``, and (the peak, its entry) up to there."""
+    def replay(upto: int, after: int) -> tuple[dict[int, tuple[int, list]], int, int]:
+        """The allocations live after entry ``upto``, and (the peak, its entry) between ``after`` and there."""
         live: dict[int, tuple[int, list]] = {}
         now = best = at = 0
         for i, e in enumerate(trace[: upto + 1]):
             if e["action"] == "alloc":
                 live[e["addr"]] = (e["size"], e.get("frames", []))
                 now += e["size"]
-                if now > best:
+                if i >= after and now > best:
                     best, at = now, i
             elif e["action"] == "free_requested" and e["addr"] in live:
                 now -= live.pop(e["addr"])[0]
         return live, best, at
 
-    _, best, at = replay(len(trace) - 1)
-    best_live = replay(at)[0]  # a second pass to the peak's entry: no copy of the live set at every new peak
-    groups: dict[str, list[int]] = {}
-    for size, frames in best_live.values():
-        g = groups.setdefault(_origin(frames), [0, 0])
-        g[0] += size
-        g[1] += 1
-    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    def by_origin(live: dict[int, tuple[int, list]]) -> list[str]:
+        groups: dict[str, list[int]] = {}
+        for size, frames in live.values():
+            g = groups.setdefault(_origin(frames), [0, 0])
+            g[0] += size
+            g[1] += 1
+        rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+        return [f"{b / 2**20:9.1f} MiB x{n:<3d} {origin}" for origin, (b, n) in rows]
+
+    at_start = replay(mark - 1, len(trace))[0] if mark else {}
+    _, best, at = replay(len(trace) - 1, mark)
+    at_best = replay(at, len(trace))[0]  # a second pass to the peak's entry: no copy of the live set at every new peak
     return {
-        "traced_peak_gib": round(best / 2**30, 3),  # above what was allocated when the recording began
-        "by_origin": [f"{b / 2**20:9.1f} MiB x{n:<3d} {origin}" for origin, (b, n) in rows],
+        "start_gib": round(sum(size for size, _ in at_start.values()) / 2**30, 3),
+        "traced_peak_gib": round(best / 2**30, 3),  # what was live at the step's peak, the start's bytes included
+        "at_start": by_origin(at_start),
+        "by_origin": by_origin(at_best),
     }
 
 
