@@ -102,6 +102,23 @@ def measure(fn, args, kw, repeats: int) -> tuple[float, float]:
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / GIB
 
 
+def profile(fn, args, kw, title: str, top: int = 12) -> None:
+    """The kernels of one step (after a warm-up), by their total GPU time, largest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn(*args, **kw)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args, **kw)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in kernels)
+    print(f"-- profile: {title}, {total / 1e3:.2f} ms of kernels", flush=True)
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {e.self_device_time_total / 1e3:8.3f} ms x{e.count:<4d} {e.key[:110]}", flush=True)
+
+
 def speed(unit: int, ms: float, base_ms: float, own: int) -> dict:
     """ms, TFLOP/s of ``own``·S·D·I FLOPs, model TFLOP/s (18·S·D·I), time against grouped_mm's."""
     return dict(ms=round(ms, 3), tflops=round(own * unit / ms / 1e9, 1), model_tflops=round(18 * unit / ms / 1e9, 1),
@@ -121,6 +138,7 @@ def main() -> None:
     ap.add_argument("--no-loop", action="store_true", help="skip the old per-expert loop path")
     ap.add_argument("--csv", default=str(pathlib.Path(__file__).parent / "results" / "moe_op.csv"))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (small shapes)")
+    ap.add_argument("--profile", action="store_true", help="the GPU kernels of one grouped_mm and one tiled step")
     args = ap.parse_args()
     device = torch.device(args.device)
     meta = dict(experts=args.experts, hidden=args.hidden, inter=args.inter, top_k=args.top_k, **versions(device))
@@ -187,6 +205,10 @@ def main() -> None:
         grad_err=err,
         note="weight grads: grouped_mm's [E, K, N] part per chunk, then the carry (before grouped_wgrad)",
     )
+    if args.profile and device.type == "cuda":
+        profile(step_grouped_mm, data, {}, "grouped_mm")
+        profile(step_tiled, data, {}, "tiled, the budget's chunk")
+        profile(step_tiled, data, dict(chunk=rows), "tiled, one chunk")
     if not args.no_loop:
         grouped_op.USE_GROUPED = False
         try:

@@ -2,7 +2,9 @@
 # Issue 42, one device call: the Qwen3-30B-A3B step (4 of 48 layers, checkpointing on) with the experts left alone
 # against tiled, no memory plan for either, Inductor's step at 32k in the same call, then the op alone.
 # usage (on the device, repo root): bash benchmarks/gpu_moe.sh OUTDIR [all|step|op]
-#   step: the three step runs (about 8 minutes); op: bench_moe_op.py alone (about 2.5 minutes); all: both
+#   step: the three step runs (about 4 minutes on an H100); op: bench_moe_op.py alone with its kernel profile (about
+#   1.5 minutes); memory: checkpointing off at 16k (tiled, left alone, Inductor) and Inductor at 8k (about 4 minutes);
+#   all: step and op
 set -u
 out=${1:?OUTDIR}
 part=${2:-all}
@@ -10,11 +12,18 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 e2e() { python3 benchmarks/e2e.py --models 30b-a3b --layers 4 --checkpointing on --repeats 2 --csv "$out/e2e_moe.csv" "$@" 2>&1 | grep -v "^W1\|Warning" | grep "ok=\|cut\|skipped"; }
+if [ "$part" = memory ]; then
+e2e --methods tilecompile --lengths 16384 --checkpointing off --env TILECOMPILE_MEMORY_BUDGET=0 --note "experts tiled by default, no checkpointing" --budget 100
+e2e --methods tilecompile --lengths 16384 --checkpointing off --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone, no checkpointing" --budget 100
+e2e --methods inductor --lengths 16384 --checkpointing off --budget 100
+e2e --methods inductor --lengths 8192 --budget 100
+exit 0
+fi
 if [ "$part" != op ]; then
 e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0 --note "experts left alone (check_pays)" --budget 150
 e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_MIN_TOKENS=0 --note "experts tiled" --budget 150
 e2e --methods inductor --lengths 32768 --budget 150
 fi
 if [ "$part" != step ]; then
-timeout 200 python3 benchmarks/bench_moe_op.py --repeats 5 --memory-tokens "" --no-loop --chunks 0,65536,262144 --csv "$out/moe_op.csv" 2>&1 | grep -v "^W1\|Warning" | tail -9
+timeout 200 python3 benchmarks/bench_moe_op.py --repeats 5 --memory-tokens "" --no-loop --chunks 0,65536,262144 --profile --csv "$out/moe_op.csv" 2>&1 | grep -v "^W1\|Warning" | tail -60
 fi
