@@ -119,6 +119,67 @@ def profile(fn, args, kw, title: str, top: int = 12) -> None:
         print(f"  {e.self_device_time_total / 1e3:8.3f} ms x{e.count:<4d} {e.key[:110]}", flush=True)
 
 
+WGRAD_CONFIGS = [  # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages)  # fmt: skip
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 3),
+    (128, 128, 32, 8, 4),
+    (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (128, 128, 64, 8, 4),
+    (128, 256, 32, 8, 4),
+]
+
+
+def wgrad_sweep(data, inter: int, repeats: int = 10) -> None:
+    """One chunk's weight grads at the budget's chunk (the op's middle chunk): grouped_wgrad per block config against
+    grouped_mm's [E, K, N] part alone, for the gate's (x, dg: K = D, N = I) and the down's (h, dy: K = I, N = D)."""
+    from tilecompile.kernels import tiled_grouped_mlp as kernels
+
+    x, _, _, offsets, dy = data
+    n, d = x.shape
+    chunk = grouped_op._chunk(n, inter, x.dtype, 0, 256)
+    s, t = chunk, min(2 * chunk, n)
+    offs = offsets.to(torch.int32)
+    local = (offs - s).clamp(0, t - s)
+    experts = offs.shape[0]
+    cases = {
+        "gate (K=D, N=I)": (x.detach()[s:t], torch.randn(t - s, inter, device=x.device, dtype=x.dtype), d, inter),
+        "down (K=I, N=D)": (torch.randn(t - s, inter, device=x.device, dtype=x.dtype), dy[s:t], inter, d),
+    }
+
+    def timed(fn, *operands) -> float:
+        for _ in range(2):
+            fn(*operands)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn(*operands)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / repeats
+
+    default = dict(kernels._WGRAD)
+    for name, (a, b, k, width) in cases.items():
+        grad = torch.empty(experts, k, width, device=x.device, dtype=x.dtype)
+        carry = torch.empty(2, k, width, device=x.device, dtype=torch.float32)
+        flops = 2 * (t - s) * k * width
+        ms = timed(torch._grouped_mm, a.t(), b, local)
+        print(f"-- wgrad {name}, rows {s}:{t}: grouped_mm's part {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)",
+              flush=True)  # fmt: skip
+        for cfg in WGRAD_CONFIGS:
+            kernels._WGRAD = dict(zip(("BLOCK_K", "BLOCK_N", "BLOCK_R", "num_warps", "num_stages"), cfg))
+            try:
+                ms = timed(kernels.grouped_wgrad, grad, carry, a, b, offs, s, t, n, 1, False)
+                print(f"   {cfg}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+            except Exception as exc:  # a config past the shared memory of this GPU
+                print(f"   {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
+            finally:
+                kernels._WGRAD = default
+
+
 def speed(unit: int, ms: float, base_ms: float, own: int) -> dict:
     """ms, TFLOP/s of ``own``·S·D·I FLOPs, model TFLOP/s (18·S·D·I), time against grouped_mm's."""
     return dict(ms=round(ms, 3), tflops=round(own * unit / ms / 1e9, 1), model_tflops=round(18 * unit / ms / 1e9, 1),
@@ -139,6 +200,7 @@ def main() -> None:
     ap.add_argument("--csv", default=str(pathlib.Path(__file__).parent / "results" / "moe_op.csv"))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (small shapes)")
     ap.add_argument("--profile", action="store_true", help="the GPU kernels of one grouped_mm and one tiled step")
+    ap.add_argument("--wgrad-sweep", action="store_true", help="grouped_wgrad's block configs on one chunk, alone")
     args = ap.parse_args()
     device = torch.device(args.device)
     meta = dict(experts=args.experts, hidden=args.hidden, inter=args.inter, top_k=args.top_k, **versions(device))
@@ -205,6 +267,8 @@ def main() -> None:
         grad_err=err,
         note="weight grads: grouped_mm's [E, K, N] part per chunk, then the carry (before grouped_wgrad)",
     )
+    if args.wgrad_sweep and device.type == "cuda":
+        wgrad_sweep(data, args.inter)
     if args.profile and device.type == "cuda":
         profile(step_grouped_mm, data, {}, "grouped_mm")
         profile(step_tiled, data, {}, "tiled, the budget's chunk")
