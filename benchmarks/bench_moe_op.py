@@ -119,7 +119,7 @@ def profile(fn, args, kw, title: str, top: int = 12) -> None:
         print(f"  {e.self_device_time_total / 1e3:8.3f} ms x{e.count:<4d} {e.key[:110]}", flush=True)
 
 
-WGRAD_CONFIGS = [  # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages)  # fmt: skip
+WGRAD_CONFIGS = [  # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages)
     (128, 128, 64, 8, 3),
     (128, 128, 64, 4, 3),
     (128, 128, 32, 8, 4),
