@@ -25,5 +25,5 @@ e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0
 e2e --methods inductor --lengths 32768 --budget 150
 fi
 if [ "$part" != step ]; then
-timeout 200 python3 benchmarks/bench_moe_op.py --repeats 5 --memory-tokens "" --no-loop --chunks 0,65536,262144 --profile --csv "$out/moe_op.csv" 2>&1 | grep -v "^W1\|Warning" | tail -60
+timeout 200 python3 benchmarks/bench_moe_op.py --repeats 5 --memory-tokens "" --no-loop --chunks 0,65536,262144 --profile --wgrad-sweep --csv "$out/moe_op.csv" 2>&1 | grep -v "^W1\|Warning" | tail -60
 fi

@@ -57,7 +57,9 @@ def run(options: dict, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     f = torch.compile(step, backend="tilecompile", options=options)
     loss = f(model, ids)
     loss.backward()
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    # on the host: a variant run later must not start with this one's grads on the GPU (before 2026-12-07 they stayed,
+    # and each later variant's peak read 0.47 GiB higher per variant before it)
+    grads = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
     times, repeats, mark = [], [], 0
     for r in range(args.repeats):
         model.zero_grad(set_to_none=True)
