@@ -25,6 +25,12 @@ in the chunk, ``aᵀ b`` over those rows (a [rows, K], b [rows, N], the chunk's)
 carry added and the result stored as above. No [E, K, N] part is written: a chunk costs the GEMM of the experts it
 has, where ``grouped_mm`` writes every expert's grad (zeros for the rest) for the carry to read back.
 
+``_rows_out_kernel`` puts a chunk's ``grouped_mm`` output into the op's [rows, N] result: row r of the chunk
+(the op's row ``start + r``) is ``y[r]``, times the row's weight if there is one (rounded once, as eager's
+``y.mul_(w)``), or zero where ``start + r`` is past ``offsets[-1]`` (rows of no expert, which ``grouped_mm`` leaves
+undefined). One read and one write, vectorized along the row, where a broadcast ``torch.where`` ran at about half
+the bandwidth (RESULTS.md, the op's kernels, 2026-12-07).
+
 The same math in plain PyTorch (the CPU implementation and the kernels' reference) is in
 ``kernels/tiled_mlp_reference.py``; tests/test_moe_grouped.py compares the two under TRITON_INTERPRET=1.
 """
@@ -43,7 +49,7 @@ if HAS_TRITON:
 
     from tilecompile.kernels.tiled_mlp import _gated_act
 
-__all__ = ["HAS_TRITON", "act_backward", "act_mul", "carry_accumulate", "grouped_wgrad"]
+__all__ = ["HAS_TRITON", "act_backward", "act_mul", "carry_accumulate", "grouped_wgrad", "rows_out"]
 
 _BLOCK = 1024
 _ACC_BLOCK = 4096
@@ -91,6 +97,23 @@ if HAS_TRITON:
         tl.store(g_at, dg.to(gu_ptr.dtype.element_ty), mask=valid)
         tl.store(u_at, du.to(gu_ptr.dtype.element_ty), mask=valid)
         tl.store(dh_ptr + offs, h.to(dh_ptr.dtype.element_ty), mask=valid)
+
+    @triton.jit
+    def _rows_out_kernel(
+        out_ptr, y_ptr, w_ptr, offs_ptr, experts, rows, cols, stride_y, stride_w, start, HAS_W: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # grid (row blocks, column blocks); out is [rows, cols] contiguous
+        end = tl.load(offs_ptr + experts - 1).to(tl.int64) - start  # the chunk's rows from here on are no expert's
+        rs = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        inside = (rs[:, None] < rows) & (cs[None, :] < cols)
+        keep = rs < end
+        y = tl.load(y_ptr + rs[:, None] * stride_y + cs[None, :], mask=inside & keep[:, None], other=0.0)
+        if HAS_W:
+            w = tl.load(w_ptr + rs * stride_w, mask=(rs < rows) & keep, other=0.0).to(tl.float32)
+            y = y.to(tl.float32) * w[:, None]
+        tl.store(out_ptr + rs[:, None] * cols + cs[None, :], y.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _carry_store(val, grad_ptr, carry_ptr, e, per_expert, at, mask, slot_in, slot_out, begun, goes_on):
@@ -189,6 +212,28 @@ def act_backward(gu: Tensor, dh: Tensor, mask: Tensor | None, activation: str) -
             gu, dh, _mask_bytes(mask, gu), n, inter, HAS_MASK=mask is not None,
             ACT=mlp_kernels.ACT_CODE[activation], BLOCK=_BLOCK, num_warps=4,
         )  # fmt: skip
+
+
+def rows_out(out: Tensor, y: Tensor, weight: Tensor | None, offsets: Tensor, start: int) -> None:
+    """``out`` [rows, N] (contiguous) <- ``y`` [rows, N] (unit column stride), each row times ``weight`` [rows, 1]
+    if given, and zero for the rows ``start + r >= offsets[-1]``; ``offsets`` [E] int32, cumulative."""
+    rows, cols = out.shape
+    if not out.is_contiguous() or y.shape != out.shape or (rows and cols and y.stride(1) != 1):
+        raise ValueError("tiled_grouped_mlp kernels: out [rows, N] contiguous and y of its shape, unit column stride")
+    if offsets.dim() != 1 or offsets.dtype != torch.int32 or not len(offsets):
+        raise ValueError("tiled_grouped_mlp kernels: offsets must be [E] int32")
+    if weight is not None and (weight.dim() != 2 or tuple(weight.shape) != (rows, 1)):
+        raise ValueError("tiled_grouped_mlp kernels: weight must be [rows, 1]")
+    if rows and cols:
+        grid = (triton.cdiv(rows, _ROWS_R), triton.cdiv(cols, _ROWS_C))
+        _rows_out_kernel[grid](
+            out, y, y if weight is None else weight, offsets, len(offsets), rows, cols, y.stride(0),
+            0 if weight is None else weight.stride(0), start, HAS_W=weight is not None, BLOCK_R=_ROWS_R,
+            BLOCK_C=_ROWS_C, num_warps=4,
+        )  # fmt: skip
+
+
+_ROWS_R, _ROWS_C = 8, 512
 
 
 def carry_accumulate(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor, start: int, stop: int, rows: int,

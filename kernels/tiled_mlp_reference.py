@@ -99,3 +99,12 @@ def grouped_wgrad_reference(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, o
     member = ((lo[:, None] <= at) & (at < hi[:, None])).float()  # [E, chunk rows]: the row is the expert's
     part = torch.einsum("er,rk,rn->ekn", member, a.float(), b.float())
     carry_accumulate_reference(grad, carry, part, offsets, start, stop, rows, index, last)
+
+
+def rows_out_reference(out: Tensor, y: Tensor, weight: Tensor | None, offsets: Tensor, start: int) -> None:
+    """kernels/tiled_grouped_mlp.py's ``rows_out``: ``out`` <- ``y`` (times ``weight``, rounded once, as eager's
+    ``y.mul_(w)``), zero on the rows ``start + r >= offsets[-1]``; on the device, no sync."""
+    valid = (torch.arange(start, start + out.shape[0], device=out.device) < offsets[-1]).unsqueeze(1)
+    if weight is not None:
+        y = y.mul(weight).to(out.dtype)
+    torch.where(valid, y, out.new_zeros(()), out=out)

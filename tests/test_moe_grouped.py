@@ -347,6 +347,24 @@ _TRITON_WORKER = textwrap.dedent(
         worst = (grads[0].double() - exact).abs().max()
         assert torch.allclose(grads[0].double(), exact, rtol=4 * tol, atol=4 * tol), (dtype, carry_dtype, worst)
 
+    # a chunk's rows into the op's: times the row weight (fp32 and fp16), zero past offsets[-1], y with padded rows
+    offs = torch.tensor([3, 9, 21], dtype=torch.int32)
+    for dtype, w_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32),
+                           (torch.float16, torch.float16)):
+        for start, weighted in ((0, False), (16, True), (16, False), (24, True)):
+            y = torch.randn(11, 40).to(dtype)[:, 3:33]  # a row stride past the width
+            w = torch.rand(11, 1).to(w_dtype) if weighted else None
+            outs = [torch.full((11, 30), float("nan"), dtype=dtype) for _ in range(2)]
+            K.rows_out(outs[0], y, w, offs, start)
+            reference.rows_out_reference(outs[1], y, w, offs, start)
+            assert torch.equal(outs[0], outs[1]), (dtype, w_dtype, start, weighted)
+            end = 21 - start
+            assert (outs[0][max(end, 0):] == 0).all() and not outs[0][: max(end, 0)].isnan().any()
+            expect = y.clone()
+            if w is not None:
+                expect.mul_(w)  # eager's order: the product rounded, then scaled
+            assert torch.equal(outs[0][: max(end, 0)], expect[: max(end, 0)])
+
     # the whole op with the kernels (grouped_wgrad's weight grads too), against the op with their reference
     op._TRITON_ON_CPU = True
     op.USE_WGRAD_KERNEL = True
@@ -357,13 +375,14 @@ _TRITON_WORKER = textwrap.dedent(
     offsets = torch.tensor([10, 10, 70, 84], dtype=torch.int32)
     mask = torch.zeros(90, 1, dtype=torch.bool)
     mask[[3, 40, 86]] = True
+    row_weight = torch.rand(90, 1, generator=g, requires_grad=True)
     outs = []
     for triton_on in (True, False):
         op.USE_TRITON = triton_on
         w = gate_up.transpose(-2, -1)
         y = op.tiled_grouped_mlp(x, offsets, w[..., :24], w[..., 24:], down.transpose(-2, -1), chunk_tokens=16,
-                                 row_mask=mask)
-        outs.append((y, *torch.autograd.grad(y, (x, gate_up, down), torch.ones_like(y))))
+                                 row_mask=mask, row_weight=row_weight)
+        outs.append((y, *torch.autograd.grad(y, (x, gate_up, down, row_weight), torch.ones_like(y))))
     for a, b in zip(*outs):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-4), (a - b).abs().max()
     print("ok")

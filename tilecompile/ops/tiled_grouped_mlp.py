@@ -56,8 +56,8 @@ Two paths, the same math:
   weight, HF's ``gate_up_proj``), ``h = act(g) * u`` (one Triton kernel on CUDA, kernels/tiled_grouped_mlp.py),
   ``y = grouped_mm(h, Wd)``. Backward: ``gu`` again, ``dh = grouped_mm(dy, Wdᵀ)``, one kernel for ``h``, ``dg``,
   ``du``, then ``dx = grouped_mm([dg | du], [Wg | Wu]ᵀ)`` and the weight grads ``grouped_mm(xcᵀ, dg)`` ... (the
-  grouped GEMM that reduces over each expert's rows, [E, K, N]). Rows past ``offsets[-1]`` are zeroed with a
-  ``where`` on the device. Live per chunk: [rows, 2I] + [rows, I] in the compute dtype and one [E, K, N] weight
+  grouped GEMM that reduces over each expert's rows, [E, K, N]). Each chunk's ``y`` (times the row weight) and ``dx`` go into the op's
+  rows by one kernel that zeroes the rows past ``offsets[-1]`` on the device. Live per chunk: [rows, 2I] + [rows, I] in the compute dtype and one [E, K, N] weight
   grad of the chunk.
   Weight grads: with one chunk, ``grouped_mm``'s own (it accumulates in fp32 inside the GEMM, as unchunked); with
   several, each chunk's [E, K, N] grad (rounded to the compute dtype by ``grouped_mm``, which has no fp32 output
@@ -222,6 +222,15 @@ def _carry_accumulate(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor
         mlp_reference.carry_accumulate_reference(*args)
 
 
+def _rows_out(out: Tensor, y: Tensor, weight: Tensor | None, offsets: Tensor, start: int) -> None:
+    """A chunk's grouped_mm output into the op's rows, times the row weight, zero past offsets[-1]."""
+    fp32_product = weight is None or weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if _use_triton(y) and out.is_contiguous() and y.stride(1) == 1 and fp32_product:  # eager's product: in fp32
+        grouped_kernels.rows_out(out, y, weight, offsets, start)
+    else:
+        mlp_reference.rows_out_reference(out, y, weight, offsets, start)
+
+
 def _chunks(offsets: Tensor, n: int, chunk: int):
     """(start, stop, the chunk's offsets clamped to its rows (int32), its rows below offsets[-1] [rows, 1]) per
     chunk of ``chunk`` rows; all on the device."""
@@ -244,17 +253,16 @@ def _gate_up(xc: Tensor, local: Tensor, fused: Tensor | None, gate_weight: Tenso
 def _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk, mask, weight) -> Tensor:
     n, d_out = x.shape[0], down_weight.shape[2]
     out = x.new_empty((n, d_out))
-    zero = x.new_zeros(())
     fused = _fused_gate_up(gate_weight, up_weight)
-    for s, t, local, valid in _chunks(offsets, n, chunk):
+    offs = offsets.to(torch.int32)
+    for s, t, local, _ in _chunks(offs, n, chunk):
         gu = _gate_up(x[s:t], local, fused, gate_weight, up_weight)
         h = _act_mul(gu, None if mask is None else mask[s:t], activation)
         del gu
         y = torch._grouped_mm(h, down_weight, local)
-        if weight is not None:  # eager's order: the product rounded, then scaled
-            y.mul_(weight[s:t])
-        # grouped_mm leaves rows past offsets[-1] undefined: the op's are zero
-        torch.where(valid, y, zero, out=out[s:t])
+        # eager's order: the product rounded, then scaled; grouped_mm leaves rows past offsets[-1] undefined, the
+        # op's are zero
+        _rows_out(out[s:t], y, None if weight is None else weight[s:t], offs, s)
     return out
 
 
@@ -264,7 +272,6 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
     n, i = x.shape[0], gate_weight.shape[2]
     fused = _fused_gate_up(gate_weight, up_weight)
     chunks = -(-n // chunk)
-    zero = x.new_zeros(())
     dx = x.new_empty(x.shape) if need_x else None
     dw = weight.new_empty(weight.shape) if need_w else None
     # one chunk: grouped_mm's weight grads are the grads (accumulated in fp32 inside the GEMM, as unchunked);
@@ -319,7 +326,7 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
             else:
                 dxc = torch._grouped_mm(gu[:, :i], gate_weight.transpose(-2, -1), local)
                 dxc += torch._grouped_mm(gu[:, i:], up_weight.transpose(-2, -1), local)
-            torch.where(valid, dxc, zero, out=dx[s:t])
+            _rows_out(dx[s:t], dxc, None, offs, s)
         del gu
     g_wg = _finish_grad(grads["g"], gate_weight, x) if need_wg else x.new_empty((0,))
     g_wu = _finish_grad(grads["u"], up_weight, x) if need_wu else x.new_empty((0,))
