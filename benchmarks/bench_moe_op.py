@@ -6,9 +6,10 @@ sort them; weights in HF's layout (``gate_up_proj`` [E, 2I, D], ``down_proj`` [E
 backward (dx and both weight grads) of:
   grouped_mm     F.grouped_mm(x, Wguᵀ) -> silu(g) * u -> F.grouped_mm(h, Wdᵀ), autograd saving its activations
   tiled          the op, grouped path (grouped_mm over token chunks, no host sync), per ``--chunks`` and grad_accum,
-                 the weight grads by the grouped_wgrad kernel (``USE_WGRAD_KERNEL`` on, whatever its default)
+                 the weight grads by the grouped_wgrad kernel and the rows by rows_out (``USE_WGRAD_KERNEL``,
+                 ``USE_ROWS_KERNEL`` on, whatever their defaults)
   tiled_part     the op at the budget's chunk with each chunk's weight grads from grouped_mm ([E, K, N], all experts)
-                 and the carry, as before the grouped_wgrad kernel
+                 and the carry, the rows by torch.where, as before both kernels
   tiled_loop     the op's per-expert loop path (the one before issue 42: torch.mm per expert and chunk, host syncs)
 Median of ``--repeats`` steps (CUDA events, after 2 warm-up steps); TFLOP/s with each method's own FLOPs:
   grouped_mm: 18·S·D·I (forward 6, backward 12),  tiled: 22·S·D·I (+ 4 for the gate/up GEMM recomputed)
@@ -234,8 +235,9 @@ def main() -> None:
         peak_extra_gib=round(base_gib, 3),
     )
     variants = [(int(c), "fp32") for c in args.chunks.split(",") if c] + [(0, "param")]
-    default_wgrad = grouped_op.USE_WGRAD_KERNEL
-    grouped_op.USE_WGRAD_KERNEL = True  # the tiled rows: weight grads by grouped_wgrad; tiled_part: the old way
+    default_wgrad, default_rows = grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL
+    # the tiled rows: weight grads by grouped_wgrad, rows by rows_out, whatever their defaults; tiled_part: the old way
+    grouped_op.USE_WGRAD_KERNEL = grouped_op.USE_ROWS_KERNEL = True
     for chunk, accum in variants:
         ms, gib = measure(step_tiled, data, dict(chunk=chunk, grad_accum=accum), args.repeats)
         auto = grouped_op._chunk(rows, args.inter, torch.bfloat16, chunk, 256)
@@ -250,12 +252,13 @@ def main() -> None:
             grad_err=grad_err(dict(chunk=chunk, grad_accum=accum)),
             note="chunk from mlp_chunk_budget_mb=256" if chunk == 0 else "",
         )
-    grouped_op.USE_WGRAD_KERNEL = False  # the weight grads as before the kernel: grouped_mm's part, then the carry
+    # before the kernels: the weight grads by grouped_mm's part and the carry, the rows by torch.where
+    grouped_op.USE_WGRAD_KERNEL = grouped_op.USE_ROWS_KERNEL = False
     try:
         ms, gib = measure(step_tiled, data, {}, args.repeats)
         err = grad_err({})
     finally:
-        grouped_op.USE_WGRAD_KERNEL = default_wgrad
+        grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL = default_wgrad, default_rows
     row(
         method="tiled_part",
         tokens=tokens,
@@ -265,14 +268,18 @@ def main() -> None:
         **speed(unit, ms, base_ms, 22),
         peak_extra_gib=round(gib, 3),
         grad_err=err,
-        note="weight grads: grouped_mm's [E, K, N] part per chunk, then the carry (before grouped_wgrad)",
+        note="weight grads: grouped_mm's [E, K, N] part per chunk, then the carry; rows by torch.where (no kernels)",
     )
     if args.wgrad_sweep and device.type == "cuda":
         wgrad_sweep(data, args.inter)
     if args.profile and device.type == "cuda":
         profile(step_grouped_mm, data, {}, "grouped_mm")
-        profile(step_tiled, data, {}, "tiled, the budget's chunk")
-        profile(step_tiled, data, dict(chunk=rows), "tiled, one chunk")
+        grouped_op.USE_WGRAD_KERNEL = grouped_op.USE_ROWS_KERNEL = True  # as the tiled rows
+        try:
+            profile(step_tiled, data, {}, "tiled, the budget's chunk")
+            profile(step_tiled, data, dict(chunk=rows), "tiled, one chunk")
+        finally:
+            grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL = default_wgrad, default_rows
     if not args.no_loop:
         grouped_op.USE_GROUPED = False
         try:

@@ -19,6 +19,7 @@ from tilecompile.ops import tiled_grouped_mlp as grouped_op  # noqa: E402
 
 
 def main() -> None:
+    grouped_op.USE_ROWS_KERNEL = True  # the kernel, whatever its default
     x, gate_up, down, offsets, _ = routed(4096, 128, 2048, 768, 8, torch.device("cuda"))
     x = x.detach()
     offsets = offsets.clone()

@@ -102,9 +102,10 @@ def grouped_wgrad_reference(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, o
 
 
 def rows_out_reference(out: Tensor, y: Tensor, weight: Tensor | None, offsets: Tensor, start: int) -> None:
-    """kernels/tiled_grouped_mlp.py's ``rows_out``: ``out`` <- ``y`` (times ``weight``, rounded once, as eager's
-    ``y.mul_(w)``), zero on the rows ``start + r >= offsets[-1]``; on the device, no sync."""
+    """kernels/tiled_grouped_mlp.py's ``rows_out``: ``out`` <- ``y`` (times ``weight``, as eager's ``y.mul_(w)``,
+    in place: ``y`` is the caller's temporary), zero on the rows ``start + r >= offsets[-1]``; on the device, no
+    sync."""
     valid = (torch.arange(start, start + out.shape[0], device=out.device) < offsets[-1]).unsqueeze(1)
     if weight is not None:
-        y = y.mul(weight).to(out.dtype)
+        y.mul_(weight)
     torch.where(valid, y, out.new_zeros(()), out=out)

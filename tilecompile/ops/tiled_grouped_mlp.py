@@ -56,9 +56,10 @@ Two paths, the same math:
   weight, HF's ``gate_up_proj``), ``h = act(g) * u`` (one Triton kernel on CUDA, kernels/tiled_grouped_mlp.py),
   ``y = grouped_mm(h, Wd)``. Backward: ``gu`` again, ``dh = grouped_mm(dy, Wdᵀ)``, one kernel for ``h``, ``dg``,
   ``du``, then ``dx = grouped_mm([dg | du], [Wg | Wu]ᵀ)`` and the weight grads ``grouped_mm(xcᵀ, dg)`` ... (the
-  grouped GEMM that reduces over each expert's rows, [E, K, N]). Each chunk's ``y`` (times the row weight) and ``dx`` go into the op's
-  rows by one kernel that zeroes the rows past ``offsets[-1]`` on the device. Live per chunk: [rows, 2I] + [rows, I] in the compute dtype and one [E, K, N] weight
-  grad of the chunk.
+  grouped GEMM that reduces over each expert's rows, [E, K, N]). Each chunk's ``y`` (times the row weight) and
+  ``dx`` go into the op's rows with the rows past ``offsets[-1]`` zeroed on the device (a ``where``, or the
+  ``rows_out`` kernel under ``USE_ROWS_KERNEL``). Live per chunk: [rows, 2I] + [rows, I] in the compute dtype and
+  one [E, K, N] weight grad of the chunk.
   Weight grads: with one chunk, ``grouped_mm``'s own (it accumulates in fp32 inside the GEMM, as unchunked); with
   several, each chunk's [E, K, N] grad (rounded to the compute dtype by ``grouped_mm``, which has no fp32 output
   on CUDA) goes straight into the grad, in the parameter's dtype, by one Triton kernel on CUDA that touches only
@@ -162,6 +163,10 @@ _TRITON_ON_CPU = False  # tests flip this under TRITON_INTERPRET=1 to run the ke
 # over several chunks, on CUDA: the weight grads by grouped_wgrad (else grouped_mm's [E, K, N] part, then the carry).
 # On since its H100 run of 2026-12-07 (bench_moe_op.py: the same grads as the old way, 24.0 ms against 24.7)
 USE_WGRAD_KERNEL = True
+# on CUDA: a chunk's y and dx into the op's rows by the rows_out kernel (else a broadcast torch.where: 2.9 ms of the
+# op's 22.8 on the H100). Off until it runs on a GPU (checked only under TRITON_INTERPRET=1 so far);
+# benchmarks/check_moe_rows.py and bench_moe_op.py's profile are the check
+USE_ROWS_KERNEL = False
 _GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -225,7 +230,8 @@ def _carry_accumulate(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor
 def _rows_out(out: Tensor, y: Tensor, weight: Tensor | None, offsets: Tensor, start: int) -> None:
     """A chunk's grouped_mm output into the op's rows, times the row weight, zero past offsets[-1]."""
     fp32_product = weight is None or weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    if _use_triton(y) and out.is_contiguous() and y.stride(1) == 1 and fp32_product:  # eager's product: in fp32
+    kernel = (USE_ROWS_KERNEL or not y.is_cuda) and _use_triton(y)  # on a CPU: the interpreter's tests
+    if kernel and out.is_contiguous() and y.stride(1) == 1 and fp32_product:  # eager's product: in fp32
         grouped_kernels.rows_out(out, y, weight, offsets, start)
     else:
         mlp_reference.rows_out_reference(out, y, weight, offsets, start)
