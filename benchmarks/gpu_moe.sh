@@ -25,5 +25,6 @@ e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0
 e2e --methods inductor --lengths 32768 --budget 150
 fi
 if [ "$part" != step ]; then
+timeout 60 python3 benchmarks/check_moe_rows.py 2>&1 | grep "rows_out"
 timeout 200 python3 benchmarks/bench_moe_op.py --repeats 5 --memory-tokens "" --no-loop --chunks 0,65536,262144 --profile --wgrad-sweep --csv "$out/moe_op.csv" 2>&1 | grep -v "^W1\|Warning" | tail -60
 fi
