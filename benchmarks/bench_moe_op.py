@@ -29,6 +29,7 @@ torch/triton versions, date and commit. One H200 call (about 2 minutes):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
 import statistics
 import sys
@@ -103,6 +104,18 @@ def measure(fn, args, kw, repeats: int) -> tuple[float, float]:
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / GIB
 
 
+@contextlib.contextmanager
+def op_kernels(on: bool):
+    """grouped_wgrad and rows_out both on (the tiled rows) or both off (tiled_part: the op before them), whatever
+    their defaults; the defaults again after."""
+    saved = grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL
+    grouped_op.USE_WGRAD_KERNEL = grouped_op.USE_ROWS_KERNEL = on
+    try:
+        yield
+    finally:
+        grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL = saved
+
+
 def profile(fn, args, kw, title: str, top: int = 12) -> None:
     """The kernels of one step (after a warm-up), by their total GPU time, largest first."""
     from torch.profiler import ProfilerActivity
@@ -151,29 +164,18 @@ def wgrad_sweep(data, inter: int, repeats: int = 10) -> None:
         "down (K=I, N=D)": (torch.randn(t - s, inter, device=x.device, dtype=x.dtype), dy[s:t], inter, d),
     }
 
-    def timed(fn, *operands) -> float:
-        for _ in range(2):
-            fn(*operands)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn(*operands)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
-
     default = dict(kernels._WGRAD)
     for name, (a, b, k, width) in cases.items():
         grad = torch.empty(experts, k, width, device=x.device, dtype=x.dtype)
         carry = torch.empty(2, k, width, device=x.device, dtype=torch.float32)
         flops = 2 * (t - s) * k * width
-        ms = timed(torch._grouped_mm, a.t(), b, local)
+        ms = measure(torch._grouped_mm, (a.t(), b, local), {}, repeats)[0]
         print(f"-- wgrad {name}, rows {s}:{t}: grouped_mm's part {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)",
               flush=True)  # fmt: skip
         for cfg in WGRAD_CONFIGS:
             kernels._WGRAD = dict(zip(("BLOCK_K", "BLOCK_N", "BLOCK_R", "num_warps", "num_stages"), cfg))
             try:
-                ms = timed(kernels.grouped_wgrad, grad, carry, a, b, offs, s, t, n, 1, False)
+                ms = measure(kernels.grouped_wgrad, (grad, carry, a, b, offs, s, t, n, 1, False), {}, repeats)[0]
                 print(f"   {cfg}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
             except Exception as exc:  # a config past the shared memory of this GPU
                 print(f"   {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
@@ -235,11 +237,10 @@ def main() -> None:
         peak_extra_gib=round(base_gib, 3),
     )
     variants = [(int(c), "fp32") for c in args.chunks.split(",") if c] + [(0, "param")]
-    default_wgrad, default_rows = grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL
-    # the tiled rows: weight grads by grouped_wgrad, rows by rows_out, whatever their defaults; tiled_part: the old way
-    grouped_op.USE_WGRAD_KERNEL = grouped_op.USE_ROWS_KERNEL = True
     for chunk, accum in variants:
-        ms, gib = measure(step_tiled, data, dict(chunk=chunk, grad_accum=accum), args.repeats)
+        with op_kernels(True):  # the tiled rows: weight grads by grouped_wgrad, rows by rows_out
+            ms, gib = measure(step_tiled, data, dict(chunk=chunk, grad_accum=accum), args.repeats)
+            err = grad_err(dict(chunk=chunk, grad_accum=accum))
         auto = grouped_op._chunk(rows, args.inter, torch.bfloat16, chunk, 256)
         row(
             method="tiled",
@@ -249,16 +250,12 @@ def main() -> None:
             grad_accum=accum,
             **speed(unit, ms, base_ms, 22),
             peak_extra_gib=round(gib, 3),
-            grad_err=grad_err(dict(chunk=chunk, grad_accum=accum)),
+            grad_err=err,
             note="chunk from mlp_chunk_budget_mb=256" if chunk == 0 else "",
         )
-    # before the kernels: the weight grads by grouped_mm's part and the carry, the rows by torch.where
-    grouped_op.USE_WGRAD_KERNEL = grouped_op.USE_ROWS_KERNEL = False
-    try:
+    with op_kernels(False):  # before the kernels: grouped_mm's part and the carry, the rows by torch.where
         ms, gib = measure(step_tiled, data, {}, args.repeats)
         err = grad_err({})
-    finally:
-        grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL = default_wgrad, default_rows
     row(
         method="tiled_part",
         tokens=tokens,
@@ -274,12 +271,9 @@ def main() -> None:
         wgrad_sweep(data, args.inter)
     if args.profile and device.type == "cuda":
         profile(step_grouped_mm, data, {}, "grouped_mm")
-        grouped_op.USE_WGRAD_KERNEL = grouped_op.USE_ROWS_KERNEL = True  # as the tiled rows
-        try:
+        with op_kernels(True):  # as the tiled rows
             profile(step_tiled, data, {}, "tiled, the budget's chunk")
             profile(step_tiled, data, dict(chunk=rows), "tiled, one chunk")
-        finally:
-            grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL = default_wgrad, default_rows
     if not args.no_loop:
         grouped_op.USE_GROUPED = False
         try:
