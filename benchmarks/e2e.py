@@ -165,10 +165,14 @@ def versions(device: torch.device) -> dict:
         except importlib.metadata.PackageNotFoundError:
             return ""
 
+    # the device's copy of the tree may carry a stale .git: a caller that knows the commit says so
+    commit = os.environ.get("TILECOMPILE_BENCH_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        if not commit:
+            git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+            commit = git.stdout.strip()
     except OSError:
-        commit = ""
+        pass
     return dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch=torch.__version__,
         triton=version("triton"), transformers=version("transformers"), liger=version("liger-kernel"),
