@@ -255,7 +255,7 @@ def carry_accumulate(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor,
 
 
 # one config for Hopper-class GPUs (bf16 tensor cores; measured in benchmarks/bench_moe_op.py)
-_WGRAD = dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=64, num_warps=8, num_stages=3)
+_WGRAD = dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3)
 
 
 def grouped_wgrad(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Tensor, start: int, stop: int,
