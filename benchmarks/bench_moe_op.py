@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from e2e import versions, write_rows  # noqa: E402
+from e2e import profile, versions, write_rows  # noqa: E402
 
 from tilecompile.ops import tiled_grouped_mlp as grouped_op  # noqa: E402
 
@@ -114,23 +114,6 @@ def op_kernels(on: bool):
         yield
     finally:
         grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL = saved
-
-
-def profile(fn, args, kw, title: str, top: int = 12) -> None:
-    """The kernels of one step (after a warm-up), by their total GPU time, largest first."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    fn(*args, **kw)
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args, **kw)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in kernels)
-    print(f"-- profile: {title}, {total / 1e3:.2f} ms of kernels", flush=True)
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"  {e.self_device_time_total / 1e3:8.3f} ms x{e.count:<4d} {e.key[:110]}", flush=True)
 
 
 WGRAD_CONFIGS = [  # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages)

@@ -24,7 +24,7 @@ def main() -> None:
     x = x.detach()
     offsets = offsets.clone()
     offsets[-1] -= 100  # the last 100 rows belong to no expert: the op's output there is zero
-    weight = torch.rand(x.shape[0], 1, device="cuda")
+    weight = torch.rand(x.shape[0], 1, device="cuda", dtype=x.dtype)  # the op takes it in x's dtype, as HF casts it
     w = gate_up.detach().transpose(-2, -1)
     g, u = _grouped_mm(x, w, offsets).chunk(2, dim=-1)
     ref = (_grouped_mm(torch.nn.functional.silu(g) * u, down.detach().transpose(-2, -1), offsets) * weight).bfloat16()

@@ -336,6 +336,23 @@ def next_length(lengths: list[int], errors: dict[int, str], search: int, step: i
     return middle if lo < middle < hi else None
 
 
+def profile(fn, args, kw, title: str, top: int = 12) -> None:
+    """The kernels of one step (after a warm-up), by their total GPU time, largest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn(*args, **kw)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args, **kw)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in kernels)
+    print(f"-- profile: {title}, {total / 1e3:.2f} ms of kernels", flush=True)
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {e.self_device_time_total / 1e3:8.3f} ms x{e.count:<4d} {e.key[:110]}", flush=True)
+
+
 def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
@@ -412,6 +429,8 @@ def worker(cfg: dict) -> None:
                 seconds, loss = run(step, batch)
                 times.append(seconds)
             syncs = (_host_syncs() - syncs) / cfg["repeats"]
+            if cuda and cfg.get("profile"):
+                profile(run, (step, batch), {}, f"{method} at {n} tokens, one step", top=cfg["profile"])
             median = statistics.median(times)
             report = tilecompile.report()
             tflops = flops / median / 1e12
@@ -455,6 +474,7 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="MFU's peak (default: H100/H200 bf16)")
     ap.add_argument("--search", type=int, default=0, help="after the first OOM, up to K bisected lengths")
     ap.add_argument("--probe", action="store_true", help="one timed step per length (repeats 1), noted in the row")
+    ap.add_argument("--profile", type=int, default=0, help="after the timed steps, the K costliest kernels of one")
     ap.add_argument("--note", default="", help="free text for the rows' note column")
     ap.add_argument("--budget", type=float, default=0, help="wall seconds for this whole run (0: none): the worker "
                     "running when they are spent is stopped, its length gets a 'cut by --budget' row; the rest is "
@@ -496,7 +516,7 @@ def main() -> None:
                            layers=args.layers, dynamic=args.dynamic, packed=args.packed,
                            repeats=1 if args.probe else args.repeats, inner=args.inner, warm_cache=args.warm_cache,
                            device=args.device, rows=rows_per_batch, mask=mask, env=args.env, search=args.search,
-                           peak_tflops=args.peak_tflops, note=note)  # fmt: skip
+                           peak_tflops=args.peak_tflops, note=note, profile=args.profile)  # fmt: skip
                 if deadline is not None and time.monotonic() >= deadline:
                     print(
                         f"{method:<12} ckpt={int(ckpt == 'on')} skipped: --budget {args.budget:g} s spent", flush=True
