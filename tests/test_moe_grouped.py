@@ -185,6 +185,45 @@ def test_row_weight_opcheck_and_bad_weights():
             tiled_grouped_mlp(*args, row_weight=bad)
 
 
+@pytest.mark.parametrize("path", ["grouped", "loop"])
+@pytest.mark.parametrize("chunk", [0, 7])
+@pytest.mark.parametrize("layout", ["hf", "contiguous"])
+def test_weight_grads_come_in_the_weights_layout(monkeypatch, path, chunk, layout):
+    """HF passes its [E, N, K] parameters transposed: the backward op's weight grads have the weights' own strides
+    on every path (and in its fake), so autograd's transpose back to the parameter is a view, not a copy; with
+    row-major weights, row-major grads. The values are the float64 reference's either way."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(grouped_op, "USE_GROUPED", path == "grouped")
+    x, gate_up, down, offsets = _inputs()
+    w = gate_up.detach().transpose(-2, -1)
+    gate, up, wd = w[..., :24], w[..., 24:], down.detach().transpose(-2, -1)
+    if layout == "contiguous":
+        gate, up, wd = gate.contiguous(), up.contiguous(), wd.contiguous()
+    weight = torch.rand(x.shape[0], 1)
+    dy = torch.randn(x.shape[0], 16, generator=torch.Generator().manual_seed(3))
+    args = (dy, x.detach(), offsets, gate, up, wd, "silu", chunk, 256, "fp32", [True] * 5, None, weight)
+    grads = torch.ops.tilecompile.tiled_grouped_mlp_backward(*args)
+    for g, wt in zip(grads[1:4], (gate, up, wd)):  # gate's and up's expert stride is the stacked weight's
+        dense = g.transpose(-2, -1) if layout == "hf" else g
+        assert g.shape == wt.shape and g.stride()[1:] == wt.stride()[1:] and dense.is_contiguous(), g.stride()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake_grads = torch.ops.tilecompile.tiled_grouped_mlp_backward(*fake)
+    assert [g.stride() for g in fake_grads] == [g.stride() for g in grads]
+    ref = [t.double().requires_grad_() for t in (gate, up, wd)]
+    xd = x.detach().double()
+    expected, lo = [], 0
+    for e, hi in enumerate(offsets.tolist()):
+        h = F.silu(xd[lo:hi] @ ref[0][e]) * (xd[lo:hi] @ ref[1][e])
+        expected.append(h @ ref[2][e])
+        lo = hi
+    out = torch.cat(expected) * weight[:lo].double()
+    theirs = torch.autograd.grad(out, ref, dy[:lo].double())
+    for name, a, b in zip(("gate", "up", "down"), grads[1:4], theirs):
+        assert_close(a, b, rtol=1e-4, atol=1e-4, name=f"grad of {name}")
+
+
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
 def test_grouped_path_activations(grouped_only, activation):
     x, gate_up, down, offsets = _inputs()

@@ -164,9 +164,9 @@ _TRITON_ON_CPU = False  # tests flip this under TRITON_INTERPRET=1 to run the ke
 # On since its H100 run of 2026-12-07 (bench_moe_op.py: the same grads as the old way, 24.0 ms against 24.7)
 USE_WGRAD_KERNEL = True
 # on CUDA: a chunk's y and dx into the op's rows by the rows_out kernel (else a broadcast torch.where: 2.9 ms of the
-# op's 22.8 on the H100). Off until it runs on a GPU (checked only under TRITON_INTERPRET=1 so far);
-# benchmarks/check_moe_rows.py and bench_moe_op.py's profile are the check
-USE_ROWS_KERNEL = False
+# op's 22.8 on the H100). On since its H100 run of 2026-12-07: benchmarks/check_moe_rows.py's max rel err 7.7e-3
+# against grouped_mm in bf16, the tail rows zero; in the op's profile 1.45 ms against the where's 2.9
+USE_ROWS_KERNEL = True
 _GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -237,6 +237,22 @@ def _rows_out(out: Tensor, y: Tensor, weight: Tensor | None, offsets: Tensor, st
         mlp_reference.rows_out_reference(out, y, weight, offsets, start)
 
 
+def _transposed(w: Tensor) -> bool:
+    """Whether ``w`` [E, K, N] is column-major in its last two dims (HF passes its [E, N, K] parameters transposed):
+    its grad is then made in that layout too, so that autograd's transpose back to the parameter is a view, not an
+    [E, K, N] copy (two per layer at Qwen3-30B-A3B's shape took 18 ms of a 550 ms step on the H100)."""
+    return w.stride(-2) == 1 and w.stride(-1) != 1
+
+
+def _empty_grad(w: Tensor, dtype: torch.dtype, zero: bool = False) -> Tensor:
+    """A weight grad buffer [E, K, N] with ``w``'s layout (``_transposed``), in ``dtype``."""
+    e, k, n = w.shape
+    make = torch.zeros if zero else torch.empty
+    if _transposed(w):
+        return make((e, n, k), device=w.device, dtype=dtype).transpose(-2, -1)
+    return make((e, k, n), device=w.device, dtype=dtype)
+
+
 def _chunks(offsets: Tensor, n: int, chunk: int):
     """(start, stop, the chunk's offsets clamped to its rows (int32), its rows below offsets[-1] [rows, 1]) per
     chunk of ``chunk`` rows; all on the device."""
@@ -282,19 +298,23 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
     dw = weight.new_empty(weight.shape) if need_w else None
     # one chunk: grouped_mm's weight grads are the grads (accumulated in fp32 inside the GEMM, as unchunked);
     # several: each chunk's grad goes into the grad, in the parameter's dtype, through a carry of two [K, N] slots
-    # in the accumulation dtype for the experts cut by chunk edges (kernels/tiled_grouped_mlp.py)
+    # in the accumulation dtype for the experts cut by chunk edges (kernels/tiled_grouped_mlp.py). A grad in the
+    # transposed layout (``_transposed``) is made as the transposed problem, [E, N, K] = bᵀ a per expert, contiguous.
     wanted = {"g": (need_wg, gate_weight), "u": (need_wu, up_weight), "d": (need_wd, down_weight)}
-    grads: dict[str, Tensor | None] = {k: None for k in wanted}
+    flip = {k: _transposed(w) for k, (_, w) in wanted.items()}
+    grads: dict[str, Tensor | None] = {k: None for k in wanted}  # contiguous, [E, N, K] where flipped
     carries: dict[str, Tensor] = {}
     offs = offsets.to(torch.int32)
     if chunks != 1:
         for k, (need, w) in wanted.items():
             if need:
-                grads[k] = torch.empty(w.shape, device=w.device, dtype=w.dtype)
-                carries[k] = torch.empty((2, *w.shape[1:]), device=w.device, dtype=_acc_dtype(w, grad_accum))
+                grads[k] = _empty_grad(w, w.dtype).transpose(-2, -1) if flip[k] else _empty_grad(w, w.dtype)
+                carries[k] = grads[k].new_empty((2, *grads[k].shape[1:]), dtype=_acc_dtype(w, grad_accum))
 
     def add_grad(key: str, a: Tensor, b: Tensor, local: Tensor, index: int, s: int, t: int) -> None:
-        """The chunk's weight grad aᵀ b per expert, into the grad."""
+        """The chunk's weight grad aᵀ b per expert (bᵀ a where flipped), into the grad."""
+        if flip[key]:
+            a, b = b, a
         if chunks != 1 and _use_triton(a) and USE_WGRAD_KERNEL:  # the GEMM and the carry in one kernel
             grouped_kernels.grouped_wgrad(grads[key], carries[key], a, b, offs, s, t, n, index, index == chunks - 1)
             return
@@ -334,6 +354,9 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
                 dxc += torch._grouped_mm(gu[:, i:], up_weight.transpose(-2, -1), local)
             _rows_out(dx[s:t], dxc, None, offs, s)
         del gu
+    for k in grads:
+        if grads[k] is not None and flip[k]:
+            grads[k] = grads[k].transpose(-2, -1)
     g_wg = _finish_grad(grads["g"], gate_weight, x) if need_wg else x.new_empty((0,))
     g_wu = _finish_grad(grads["u"], up_weight, x) if need_wu else x.new_empty((0,))
     g_wd = _finish_grad(grads["d"], down_weight, x) if need_wd else x.new_empty((0,))
@@ -427,7 +450,7 @@ def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, a
         return (*grads, dw.reshape(row_weight.shape) if need_w else dw)
 
     def acc_for(p: Tensor, wanted: bool) -> Tensor | None:
-        return torch.zeros(p.shape, device=p.device, dtype=_acc_dtype(p, grad_accum)) if wanted else None
+        return _empty_grad(p, _acc_dtype(p, grad_accum), zero=True) if wanted else None
 
     acc_wg, acc_wu, acc_wd = acc_for(gate_weight, need_wg), acc_for(up_weight, need_wu), acc_for(down_weight, need_wd)
     dx = x.new_zeros(x.shape) if need_x else None  # rows past offsets[-1] get no gradient
@@ -491,8 +514,13 @@ def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, a
 def _fake_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb,
                 grad_accum, needs_grad, row_mask=None, row_weight=None):  # fmt: skip
     needs = _needs(needs_grad, row_weight)
-    like = (x, gate_weight, up_weight, down_weight, row_weight)
-    return tuple(t.new_empty(t.shape) if need else x.new_empty((0,)) for need, t in zip(needs, like))
+    none = x.new_empty((0,))
+    weights = (gate_weight, up_weight, down_weight)
+    return (
+        x.new_empty(x.shape) if needs[0] else none,
+        *(_empty_grad(w, w.dtype) if need else none for need, w in zip(needs[1:4], weights)),
+        row_weight.new_empty(row_weight.shape) if needs[4] else none,
+    )
 
 
 _tiled_grouped_mlp_backward_op = define_op(
