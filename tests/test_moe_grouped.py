@@ -211,6 +211,14 @@ def test_weight_grads_come_in_the_weights_layout(monkeypatch, path, chunk, layou
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         fake_grads = torch.ops.tilecompile.tiled_grouped_mlp_backward(*fake)
     assert [g.stride() for g in fake_grads] == [g.stride() for g in grads]
+    # the fake's placeholders for grads not needed are tensors of their own (outputs never alias one another)
+    few = (*args[:10], [False, True, False, False, False], None, None)
+    torch.library.opcheck(torch.ops.tilecompile.tiled_grouped_mlp_backward.default, few)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        outs = torch.ops.tilecompile.tiled_grouped_mlp_backward(
+            *[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in few]
+        )
+    assert len({id(o) for o in outs}) == 5
     ref = [t.double().requires_grad_() for t in (gate, up, wd)]
     xd = x.detach().double()
     expected, lo = [], 0

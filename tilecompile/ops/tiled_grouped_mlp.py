@@ -514,12 +514,11 @@ def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, a
 def _fake_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb,
                 grad_accum, needs_grad, row_mask=None, row_weight=None):  # fmt: skip
     needs = _needs(needs_grad, row_weight)
-    none = x.new_empty((0,))
     weights = (gate_weight, up_weight, down_weight)
-    return (
-        x.new_empty(x.shape) if needs[0] else none,
-        *(_empty_grad(w, w.dtype) if need else none for need, w in zip(needs[1:4], weights)),
-        row_weight.new_empty(row_weight.shape) if needs[4] else none,
+    return (  # a placeholder of its own per grad not needed: the op's outputs never alias one another
+        x.new_empty(x.shape) if needs[0] else x.new_empty((0,)),
+        *(_empty_grad(w, w.dtype) if need else x.new_empty((0,)) for need, w in zip(needs[1:4], weights)),
+        row_weight.new_empty(row_weight.shape) if needs[4] else x.new_empty((0,)),
     )
 
 
