@@ -102,6 +102,7 @@ def test_hf_moe_experts_tiled_and_equal_eager(kind, implementation, batch, lengt
         assert r.shapes["x"] == (rows, 16) and r.shapes["gate_up_weight"] == (4, 48, 16), r.shapes
         assert r.shapes["gate_weight"] == (4, 16, 24) and r.shapes["down_weight"] == (4, 24, 16), r.shapes
         assert f"experts=4 {form}" in r.detail and "fused=gate_up" in r.detail and "chunk_tokens=3" in r.detail, r
+        assert "the stacked weight one operand" in r.detail, r.detail  # gate_up whole, its grad whole
         assert "row_weight=" in r.detail and "row_weight=none" not in r.detail, r  # the routing weights taken in
 
 
@@ -119,10 +120,14 @@ def test_hf_moe_under_activation_checkpointing():
     assert not _skips(), tilecompile.report()
 
 
-def _op_calls(graphs, name: str) -> int:
+def _op_nodes(graphs, name: str) -> list[torch.fx.Node]:
     """Nodes calling ``tilecompile::name`` in the graphs and their submodules (a layer region's compiled body)."""
     modules = [m for g in graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)]
-    return sum(str(n.target) == f"tilecompile.{name}.default" for m in modules for n in m.graph.nodes)
+    return [n for m in modules for n in m.graph.nodes if str(n.target) == f"tilecompile.{name}.default"]
+
+
+def _op_calls(graphs, name: str) -> int:
+    return len(_op_nodes(graphs, name))
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
@@ -155,6 +160,10 @@ def test_routing_weight_taken_in_so_checkpointing_recomputes_no_expert_forward(m
         calls = _op_calls(graphs.fw, "tiled_grouped_mlp")
         assert calls in (1, 2) and _op_calls(graphs.bw, "tiled_grouped_mlp_backward") == calls
         assert _op_calls(graphs.bw, "tiled_grouped_mlp") == (0 if fold else calls), graphs.bw
+        # HF's stacked gate_up goes in whole (up_weight None), so its grad comes back whole: no sum of two slices
+        for node in _op_nodes(graphs.fw, "tiled_grouped_mlp") + _op_nodes(graphs.bw, "tiled_grouped_mlp_backward"):
+            up = node.args[4 if "backward" in str(node.target) else 3]
+            assert up is None, node.format_node()
 
 
 def test_dynamic_lengths_compile_once():

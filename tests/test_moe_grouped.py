@@ -55,12 +55,16 @@ def _reference(x, gate_up, down, offsets, activation="silu", row_mask=None, row_
     return out if row_weight is None else out * row_weight.double()
 
 
-def _tiled(x, gate_up, down, offsets, separate=False, **kw):
+def _tiled(x, gate_up, down, offsets, form="views", **kw):
+    """The op on HF's layout; gate and up as ``form``: "views" (two halves of the transposed gate_up), "separate"
+    (two weights of their own, no fused [E, D, 2I] view) or "stacked" (the [E, D, 2I] weight whole, up None)."""
     w = gate_up.transpose(-2, -1)
     inter = w.shape[-1] // 2
     gate, up = w[..., :inter], w[..., inter:]
-    if separate:  # two stacked weights of their own (no fused [E, D, 2I] view)
+    if form == "separate":
         gate, up = gate.contiguous(), up.contiguous()
+    if form == "stacked":
+        gate, up = w, None
     return tiled_grouped_mlp(x, offsets, gate, up, down.transpose(-2, -1), **kw)
 
 
@@ -81,8 +85,8 @@ def grouped_only(monkeypatch):
 @pytest.mark.parametrize("chunk", [0, 7, 32, 1000])
 @pytest.mark.parametrize("grad_accum", ["fp32", "param"])
 @pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "row_mask"])
-@pytest.mark.parametrize("separate", [False, True], ids=["gate_up", "separate"])
-def test_grouped_path_equals_float64_reference(grouped_only, chunk, grad_accum, masked, separate):
+@pytest.mark.parametrize("form", ["views", "separate", "stacked"])
+def test_grouped_path_equals_float64_reference(grouped_only, chunk, grad_accum, masked, form):
     """fp32 on CPU: output and grads within fp32 rounding of the float64 reference; rows past the last offset and
     masked rows give zero output and zero dx; idle experts get zero weight grads."""
     x, gate_up, down, offsets = _inputs()
@@ -90,7 +94,7 @@ def test_grouped_path_equals_float64_reference(grouped_only, chunk, grad_accum, 
     if masked:
         mask = torch.zeros(x.shape[0], 1, dtype=torch.bool)
         mask[[0, 19, 20, 33, 60, 97]] = True  # group edges, inside a group, past the last offset
-    out = _tiled(x, gate_up, down, offsets, separate, chunk_tokens=chunk, grad_accum=grad_accum, row_mask=mask)
+    out = _tiled(x, gate_up, down, offsets, form, chunk_tokens=chunk, grad_accum=grad_accum, row_mask=mask)
     ref_inputs = [t.detach().double().requires_grad_() for t in (x, gate_up, down)]
     expected = _reference(*ref_inputs, offsets, row_mask=mask)
     assert_close(out, expected, rtol=1e-5, atol=1e-5, name="out")
@@ -143,7 +147,8 @@ def test_weight_grad_carry_equals_a_full_accumulator(chunk, dtype, grad_accum):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("chunk", [0, 7, 32])
 @pytest.mark.parametrize("shape", ["S1", "S"])
-def test_row_weight_equals_float64_reference(monkeypatch, path, dtype, chunk, shape):
+@pytest.mark.parametrize("form", ["views", "stacked"])
+def test_row_weight_equals_float64_reference(monkeypatch, path, dtype, chunk, shape, form):
     """``row_weight`` (the routing weights taken into the op): the output times each row's weight, and the weight's
     own grad, against the float64 reference, with a row mask; rows past the last offset and masked rows get zero
     weight grad. fp64 runs the loop path only (grouped_mm takes no fp64)."""
@@ -158,7 +163,7 @@ def test_row_weight_equals_float64_reference(monkeypatch, path, dtype, chunk, sh
     mask = torch.zeros(x.shape[0], 1, dtype=torch.bool)
     mask[[0, 19, 33, 97]] = True
     passed = weight if shape == "S1" else weight.squeeze(1)
-    out = _tiled(x, gate_up, down, offsets, chunk_tokens=chunk, row_mask=mask, row_weight=passed)
+    out = _tiled(x, gate_up, down, offsets, form, chunk_tokens=chunk, row_mask=mask, row_weight=passed)
     ref_inputs = [t.detach().double().requires_grad_() for t in (x, gate_up, down, weight)]
     expected = _reference(*ref_inputs[:3], offsets, row_mask=mask, row_weight=ref_inputs[3])
     tol = 1e-12 if dtype is torch.float64 else 1e-5
@@ -170,6 +175,18 @@ def test_row_weight_equals_float64_reference(monkeypatch, path, dtype, chunk, sh
         assert_close(a, b, rtol=10 * tol, atol=10 * tol, name=f"grad of {name}")
     dw = ours[3].squeeze(1)
     assert dw[mask.squeeze(1)].eq(0).all() and dw[94:].eq(0).all() and dw[1:19].ne(0).all()
+
+
+def test_stacked_gate_up_opcheck_and_bad_shape():
+    """``up_weight`` None: the stacked [E, D, 2I] gate_up as one operand passes opcheck (fake, autograd, schema);
+    an odd last dim has no two halves and is named."""
+    x, gate_up, down, offsets = _inputs()
+    w, wd = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+    torch.library.opcheck(torch.ops.tilecompile.tiled_grouped_mlp.default, (x, offsets, w, None, wd, "silu", 16))
+    with pytest.raises(ValueError, match="must be even"):
+        tiled_grouped_mlp(x, offsets, w[..., :47], None, wd)
+    with pytest.raises(ValueError, match="do not chain"):
+        tiled_grouped_mlp(x, offsets, w[..., :46], None, wd)
 
 
 def test_row_weight_opcheck_and_bad_weights():
@@ -188,28 +205,37 @@ def test_row_weight_opcheck_and_bad_weights():
 @pytest.mark.parametrize("path", ["grouped", "loop"])
 @pytest.mark.parametrize("chunk", [0, 7])
 @pytest.mark.parametrize("layout", ["hf", "contiguous"])
-def test_weight_grads_come_in_the_weights_layout(monkeypatch, path, chunk, layout):
+@pytest.mark.parametrize("form", ["views", "stacked"])
+def test_weight_grads_come_in_the_weights_layout(monkeypatch, path, chunk, layout, form):
     """HF passes its [E, N, K] parameters transposed: the backward op's weight grads have the weights' own strides
     on every path (and in its fake), so autograd's transpose back to the parameter is a view, not a copy; with
-    row-major weights, row-major grads. The values are the float64 reference's either way."""
+    row-major weights, row-major grads. A stacked gate_up (up None) gets its grad whole, in the stacked weight's
+    layout, in the gate's place. The values are the float64 reference's either way."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     monkeypatch.setattr(grouped_op, "USE_GROUPED", path == "grouped")
     x, gate_up, down, offsets = _inputs()
-    w = gate_up.detach().transpose(-2, -1)
-    gate, up, wd = w[..., :24], w[..., 24:], down.detach().transpose(-2, -1)
+    w, wd = gate_up.detach().transpose(-2, -1), down.detach().transpose(-2, -1)
     if layout == "contiguous":
-        gate, up, wd = gate.contiguous(), up.contiguous(), wd.contiguous()
+        w, wd = w.contiguous(), wd.contiguous()
+    gate, up = (w, None) if form == "stacked" else (w[..., :24], w[..., 24:])
+    if layout == "contiguous" and form == "views":  # two row-major weights of their own
+        gate, up = gate.contiguous(), up.contiguous()
     weight = torch.rand(x.shape[0], 1)
     dy = torch.randn(x.shape[0], 16, generator=torch.Generator().manual_seed(3))
     args = (dy, x.detach(), offsets, gate, up, wd, "silu", chunk, 256, "fp32", [True] * 5, None, weight)
     grads = torch.ops.tilecompile.tiled_grouped_mlp_backward(*args)
+    if form == "stacked":
+        assert grads[2].numel() == 0  # up's place: a placeholder
     for g, wt in zip(grads[1:4], (gate, up, wd)):  # gate's and up's expert stride is the stacked weight's
+        if wt is None:
+            continue
         dense = g.transpose(-2, -1) if layout == "hf" else g
         assert g.shape == wt.shape and g.stride()[1:] == wt.stride()[1:] and dense.is_contiguous(), g.stride()
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         fake_grads = torch.ops.tilecompile.tiled_grouped_mlp_backward(*fake)
+    assert [g.shape for g in fake_grads] == [g.shape for g in grads]
     assert [g.stride() for g in fake_grads] == [g.stride() for g in grads]
     # the fake's placeholders for grads not needed are tensors of their own (outputs never alias one another)
     few = (*args[:10], [False, True, False, False, False], None, None)
@@ -219,17 +245,13 @@ def test_weight_grads_come_in_the_weights_layout(monkeypatch, path, chunk, layou
             *[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in few]
         )
     assert len({id(o) for o in outs}) == 5
-    ref = [t.double().requires_grad_() for t in (gate, up, wd)]
-    xd = x.detach().double()
-    expected, lo = [], 0
-    for e, hi in enumerate(offsets.tolist()):
-        h = F.silu(xd[lo:hi] @ ref[0][e]) * (xd[lo:hi] @ ref[1][e])
-        expected.append(h @ ref[2][e])
-        lo = hi
-    out = torch.cat(expected) * weight[:lo].double()
-    theirs = torch.autograd.grad(out, ref, dy[:lo].double())
-    for name, a, b in zip(("gate", "up", "down"), grads[1:4], theirs):
-        assert_close(a, b, rtol=1e-4, atol=1e-4, name=f"grad of {name}")
+    ref = [t.detach().double().requires_grad_() for t in (gate_up, down)]
+    expected = _reference(x.detach(), *ref, offsets, row_weight=weight)
+    g_gate_up, g_down = (g.transpose(-2, -1) for g in torch.autograd.grad(expected, ref, dy.double()))
+    wanted = (g_gate_up, None) if form == "stacked" else (g_gate_up[..., :24], g_gate_up[..., 24:])
+    for name, a, b in zip(("gate", "up", "down"), grads[1:4], (*wanted, g_down)):
+        if b is not None:
+            assert_close(a, b, rtol=1e-4, atol=1e-4, name=f"grad of {name}")
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
@@ -318,9 +340,12 @@ def test_grouped_path_makes_no_host_sync():
             offsets.tolist()  # what the loop path does: it would raise here
         out = grouped_op._grouped_forward(x, offsets, gate, up, wd, "silu", 64, mask, row_weight)
         needs = (True, True, True, True, True)
-        grads = grouped_op._grouped_backward(out, x, offsets, gate, up, wd, "silu", 64, "fp32", needs, mask, row_weight)
+        args = (out, x, offsets, gate, up, wd, "silu", 64, "fp32", needs, mask, row_weight)
+        grads = grouped_op._grouped_backward(*args, None)
+        stacked_grads = grouped_op._grouped_backward(*args, w)  # the stacked gate_up's grad whole
     assert out.shape == (300, 32) and [tuple(g.shape) for g in grads] == [(300, 32), (6, 32, 48), (6, 32, 48),
                                                                           (6, 48, 32), (300, 1)]  # fmt: skip
+    assert [tuple(g.shape) for g in stacked_grads] == [(300, 32), (6, 32, 96), (0,), (6, 48, 32), (300, 1)]
 
 
 @pytest.mark.gpu
@@ -424,14 +449,17 @@ _TRITON_WORKER = textwrap.dedent(
     mask[[3, 40, 86]] = True
     row_weight = torch.rand(90, 1, generator=g, requires_grad=True)
     outs = []
-    for triton_on in (True, False):
-        op.USE_TRITON = triton_on
-        w = gate_up.transpose(-2, -1)
-        y = op.tiled_grouped_mlp(x, offsets, w[..., :24], w[..., 24:], down.transpose(-2, -1), chunk_tokens=16,
-                                 row_mask=mask, row_weight=row_weight)
-        outs.append((y, *torch.autograd.grad(y, (x, gate_up, down, row_weight), torch.ones_like(y))))
-    for a, b in zip(*outs):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4), (a - b).abs().max()
+    for stacked in (False, True):  # gate and up two views, or the stacked weight whole (its grad one wgrad GEMM)
+        for triton_on in (True, False):
+            op.USE_TRITON = triton_on
+            w = gate_up.transpose(-2, -1)
+            gate, up = (w, None) if stacked else (w[..., :24], w[..., 24:])
+            y = op.tiled_grouped_mlp(x, offsets, gate, up, down.transpose(-2, -1), chunk_tokens=16, row_mask=mask,
+                                     row_weight=row_weight)
+            outs.append((y, *torch.autograd.grad(y, (x, gate_up, down, row_weight), torch.ones_like(y))))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-4), (a - b).abs().max()
     print("ok")
     """
 )

@@ -1,7 +1,10 @@
 """The tiled_mlp pass's MoE stage: rewrites gated expert MLPs into ``tilecompile::tiled_grouped_mlp``.
 
     down = grouped_mm(act(gate) * up, Wd, offs),  gate | up = grouped_mm(x, Wgu, offs)[..., halves]
-        ->  tiled_grouped_mlp(x, offs, Wgu[..., gate half], Wgu[..., up half], Wd, act)
+        ->  tiled_grouped_mlp(x, offs, Wgu, None, Wd, act)
+
+(``Wgu`` whole where gate and up are its first and second halves, as HF's ``chunk(2, dim=-1)`` makes them: the op's
+stacked operand, whose grad it returns whole; other column ranges go in as two slices ``Wgu[..., a:b]``.)
 
 This is how HF transformers 5 runs Mixtral's and Qwen3-MoE's experts (``experts_implementation="grouped_mm"``, the
 default): the routed rows sorted by expert, ``offs`` the cumulative row counts, stacked ``gate_up_proj`` [E, 2I, D]
@@ -531,15 +534,17 @@ def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> reporting.Re
         node.meta["example_value"] = value
         return node
 
-    def weight(p: GroupedProjection) -> fx.Node:
+    def weight(p: GroupedProjection, whole: bool = False) -> fx.Node:
         w = p.mm.weight if p.mm.form == "grouped" else add("transpose", p.mm.weight, -2, -1, method=True)
-        return add(operator.getitem, w, (Ellipsis, slice(p.start, p.stop))) if p.sliced else w
+        return add(operator.getitem, w, (Ellipsis, slice(p.start, p.stop))) if p.sliced and not whole else w
 
     s = ctx.settings
     fold = routing_weight(m)
     # after the multiply's operands: the weight's unsqueeze may come after the down projection
     with graph.inserting_before(fold.mul if fold is not None else end):
-        gate_w, up_w = weight(m.gate), weight(m.up)
+        # HF's stacked gate_up [gate | up]: the op takes it whole (up None) and returns its grad whole, where two
+        # slices of it would get two grads that autograd sums into the parameter by a copy
+        gate_w, up_w = (weight(m.gate, whole=True), None) if stacked_gate_up(m) else (weight(m.gate), weight(m.up))
         down_w = m.down.weight if m.down.form == "grouped" else add("transpose", m.down.weight, -2, -1, method=True)
         x, offsets = m.x, m.down.offs
         if m.down.form == "gathered":  # rows in expert order, their cumulative counts; back to row order after
@@ -567,6 +572,21 @@ def rewrite(gm: fx.GraphModule, m: GroupedMLP, ctx: PassContext) -> reporting.Re
     return _record(m, s, fold)
 
 
+def _fused(m: GroupedMLP) -> str:
+    if stacked_gate_up(m):
+        return "gate_up (the stacked weight one operand, its grad whole)"
+    return "gate_up (two slices of the stacked weight)" if m.fused else "no"
+
+
+def stacked_gate_up(m: GroupedMLP) -> bool:
+    """Gate and up are the first and second halves of one grouped matmul's output, all of it (HF's ``gate_up_proj``
+    with ``chunk(2, dim=-1)``): the op can take the matmul's weight as one stacked operand."""
+    g, u = m.gate, m.up
+    if not (m.fused and g.sliced and u.sliced):
+        return False
+    return g.start == 0 and g.stop == u.start and u.stop == g.mm.out_features and g.stop - g.start == u.stop - u.start
+
+
 def _record(m: GroupedMLP, s, fold: RoutingWeight | None) -> reporting.Rewrite:
     """Shapes of the op's operands ([E, in, out]), and of the stacked gate_up parameter as it is stored."""
     experts = fxgraph.shape(m.down.weight)[0]
@@ -585,7 +605,7 @@ def _record(m: GroupedMLP, s, fold: RoutingWeight | None) -> reporting.Rewrite:
         else f"rows=gathered (expert ids {m.down.offs.name}, sorted into groups)"
     )
     detail = (
-        f"experts={common.size(experts)} {rows} activation={m.act.kind} fused={'gate_up' if m.fused else 'no'} "
+        f"experts={common.size(experts)} {rows} activation={m.act.kind} fused={_fused(m)} "
         f"chunk_tokens={s.mlp_chunk_tokens or 'auto'} budget_mb={s.mlp_chunk_budget_mb} grad_accum={s.mlp_grad_accum}"
     )
     if m.mask is not None:

@@ -3,7 +3,10 @@
 The rows of ``x`` [S, D] are grouped by expert, as ``grouped_mm`` takes them: ``offsets`` [E] holds the cumulative
 row counts (``offsets[e]`` ends expert ``e``'s rows; an expert with no rows has ``offsets[e] == offsets[e - 1]``).
 The weights are in ``grouped_mm``'s layout, ``[E, in, out]`` (``x @ W[e]``): gate and up [E, D, I], down
-[E, I, D_out]. Rows at or past ``offsets[-1]`` belong to no expert: their output (and their dx) is zero
+[E, I, D_out]. With ``up_weight`` None, ``gate_weight`` is the stacked [E, D, 2I] weight ``[gate | up]`` (HF's
+``gate_up_proj``, as its experts pass it to ``grouped_mm``), taken by one GEMM and its grad returned whole, in the
+stacked weight's own layout, where two views of it would get two grads that autograd sums into the parameter by a
+copy. Rows at or past ``offsets[-1]`` belong to no expert: their output (and their dx) is zero
 (``grouped_mm`` leaves them undefined; HF's fallback zeros them).
 
 ``row_mask`` (optional, bool [S, 1] or [S]) is ``masked_fill(proj, row_mask, 0)`` between the gate/up projection
@@ -36,8 +39,9 @@ with ``du`` and ``dg`` zero on masked rows; with a row weight, ``dw = Σ_k dh·h
 ``dWd[e] += (h * w)ᵀ dy``.
 
 Weight grads accumulate across chunks in fp32 (``grad_accum="fp32"``; fp64 stays fp64) or in the parameter dtype
-(``"param"``) and are returned from the backward op, one per weight input (gate and up may be two views of one
-stacked ``gate_up`` parameter: autograd sums both into it), so ``AccumulateGrad`` sees ordinary grads.
+(``"param"``) and are returned from the backward op, one per weight input (a stacked gate_up's whole; gate and up
+given as two views of one stacked parameter get one each, which autograd sums into it), so ``AccumulateGrad`` sees
+ordinary grads.
 
 Live memory per chunk: four [chunk, I] tensors in the compute dtype, as the dense op (tilecompile/ops/tiled_mlp.py,
 whose ``chunk_size_for`` sizes the chunk from ``budget_mb``).
@@ -56,10 +60,10 @@ Two paths, the same math:
   weight, HF's ``gate_up_proj``), ``h = act(g) * u`` (one Triton kernel on CUDA, kernels/tiled_grouped_mlp.py),
   ``y = grouped_mm(h, Wd)``. Backward: ``gu`` again, ``dh = grouped_mm(dy, Wdᵀ)``, one kernel for ``h``, ``dg``,
   ``du``, then ``dx = grouped_mm([dg | du], [Wg | Wu]ᵀ)`` and the weight grads ``grouped_mm(xcᵀ, dg)`` ... (the
-  grouped GEMM that reduces over each expert's rows, [E, K, N]). Each chunk's ``y`` (times the row weight) and
-  ``dx`` go into the op's rows with the rows past ``offsets[-1]`` zeroed on the device (a ``where``, or the
-  ``rows_out`` kernel under ``USE_ROWS_KERNEL``). Live per chunk: [rows, 2I] + [rows, I] in the compute dtype and
-  one [E, K, N] weight grad of the chunk.
+  grouped GEMM that reduces over each expert's rows, [E, K, N]; for a stacked gate_up one, ``xcᵀ [dg | du]``).
+  Each chunk's ``y`` (times the row weight) and ``dx`` go into the op's rows with the rows past ``offsets[-1]``
+  zeroed on the device (a ``where``, or the ``rows_out`` kernel under ``USE_ROWS_KERNEL``). Live per chunk:
+  [rows, 2I] + [rows, I] in the compute dtype and one [E, K, N] weight grad of the chunk.
   Weight grads: with one chunk, ``grouped_mm``'s own (it accumulates in fp32 inside the GEMM, as unchunked); with
   several, each chunk's [E, K, N] grad (rounded to the compute dtype by ``grouped_mm``, which has no fp32 output
   on CUDA) goes straight into the grad, in the parameter's dtype, by one Triton kernel on CUDA that touches only
@@ -100,10 +104,17 @@ def _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_to
     trailing arguments equal to their defaults): a ValueError naming what is wrong."""
     name = "tiled_grouped_mlp"
     check_options(name, activation, chunk_tokens, budget_mb, grad_accum)
-    if x.dim() != 2 or gate_weight.dim() != 3 or up_weight.dim() != 3 or down_weight.dim() != 3:
+    up_dims = 3 if up_weight is None else up_weight.dim()
+    if x.dim() != 2 or gate_weight.dim() != 3 or up_dims != 3 or down_weight.dim() != 3:
         raise ValueError(f"{name}: x must be [S, D] and the weights [E, in, out]")
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: offsets must be a 1-D int32/int64 tensor, got {offsets.dtype} {offsets.shape}")
+    if up_weight is None and gate_weight.shape[2] % 2:
+        raise ValueError(
+            f"{name}: with up_weight None, gate_weight is the stacked [E, D, 2I] [gate | up] weight; its last dim "
+            f"must be even, got {tuple(gate_weight.shape)}"
+        )
+    gate_weight, up_weight, _ = _weights(gate_weight, up_weight)
     e, d, i = gate_weight.shape
     if (
         tuple(up_weight.shape) != (e, d, i)
@@ -134,6 +145,15 @@ def _check(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_to
             f"{name}: row_weight must be an [S, 1] or [S] weight per row of x in x's dtype, got {row_weight.dtype} "
             f"{tuple(row_weight.shape)} for x {x.dtype} {tuple(x.shape)}"
         )
+
+
+def _weights(gate_weight: Tensor, up_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(gate [E, D, I], up [E, D, I], the stacked [E, D, 2I] weight or None): with ``up_weight`` None, gate and up
+    are the two halves of ``gate_weight``."""
+    if up_weight is None:
+        i = gate_weight.shape[2] // 2
+        return gate_weight[..., :i], gate_weight[..., i:], gate_weight
+    return gate_weight, up_weight, None
 
 
 def _rows(t: Tensor | None) -> Tensor | None:
@@ -289,7 +309,9 @@ def _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation
 
 
 def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk, grad_accum,
-                      needs, mask, weight):  # fmt: skip
+                      needs, mask, weight, stacked):  # fmt: skip
+    """With ``stacked`` (the [E, D, 2I] weight of which gate and up are the halves, ``_weights``), its grad comes
+    whole in the gate's place, from one weight-grad GEMM per chunk over [dg | du], and the up's is not made."""
     need_x, need_wg, need_wu, need_wd, need_w = needs
     n, i = x.shape[0], gate_weight.shape[2]
     fused = _fused_gate_up(gate_weight, up_weight)
@@ -300,7 +322,10 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
     # several: each chunk's grad goes into the grad, in the parameter's dtype, through a carry of two [K, N] slots
     # in the accumulation dtype for the experts cut by chunk edges (kernels/tiled_grouped_mlp.py). A grad in the
     # transposed layout (``_transposed``) is made as the transposed problem, [E, N, K] = bᵀ a per expert, contiguous.
-    wanted = {"g": (need_wg, gate_weight), "u": (need_wu, up_weight), "d": (need_wd, down_weight)}
+    if stacked is not None:
+        wanted = {"gu": (need_wg, stacked), "d": (need_wd, down_weight)}
+    else:
+        wanted = {"g": (need_wg, gate_weight), "u": (need_wu, up_weight), "d": (need_wd, down_weight)}
     flip = {k: _transposed(w) for k, (_, w) in wanted.items()}
     grads: dict[str, Tensor | None] = {k: None for k in wanted}  # contiguous, [E, N, K] where flipped
     carries: dict[str, Tensor] = {}
@@ -342,9 +367,11 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
         if need_wd:
             add_grad("d", dh, dyc, local, index, s, t)
         del dh
-        if need_wg:
+        if stacked is not None and need_wg:
+            add_grad("gu", xc, gu, local, index, s, t)
+        if stacked is None and need_wg:
             add_grad("g", xc, gu[:, :i], local, index, s, t)
-        if need_wu:
+        if stacked is None and need_wu:
             add_grad("u", xc, gu[:, i:], local, index, s, t)
         if need_x and need_dgu:
             if fused is not None:
@@ -357,8 +384,11 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
     for k in grads:
         if grads[k] is not None and flip[k]:
             grads[k] = grads[k].transpose(-2, -1)
-    g_wg = _finish_grad(grads["g"], gate_weight, x) if need_wg else x.new_empty((0,))
-    g_wu = _finish_grad(grads["u"], up_weight, x) if need_wu else x.new_empty((0,))
+    if stacked is not None:
+        g_wg = _finish_grad(grads["gu"], stacked, x) if need_wg else x.new_empty((0,))
+    else:
+        g_wg = _finish_grad(grads["g"], gate_weight, x) if need_wg else x.new_empty((0,))
+    g_wu = _finish_grad(grads["u"], up_weight, x) if need_wu and stacked is None else x.new_empty((0,))
     g_wd = _finish_grad(grads["d"], down_weight, x) if need_wd else x.new_empty((0,))
     return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd, (dw if need_w else x.new_empty((0,)))
 
@@ -368,10 +398,11 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
 
 
 # x [S, D] routed rows sorted by expert, offsets [E] their cumulative counts, weights [E, in, out] (grouped_mm's
-# layout); chunk_tokens 0: from budget_mb; row_mask [S, 1] or [S]: rows whose gate and up count as zero;
-# row_weight [S, 1] or [S]: each row's output scaled by it (the routing weight).
+# layout; up_weight None: gate_weight is the stacked [E, D, 2I] [gate | up]); chunk_tokens 0: from budget_mb;
+# row_mask [S, 1] or [S]: rows whose gate and up count as zero; row_weight [S, 1] or [S]: each row's output scaled
+# by it (the routing weight).
 _OPERANDS = (
-    "Tensor x, Tensor offsets, Tensor gate_weight, Tensor up_weight, Tensor down_weight, str activation, "
+    "Tensor x, Tensor offsets, Tensor gate_weight, Tensor? up_weight, Tensor down_weight, str activation, "
     "SymInt chunk_tokens=0, SymInt budget_mb=256, str grad_accum='fp32', Tensor? row_mask=None, "
     "Tensor? row_weight=None"
 )
@@ -382,6 +413,7 @@ def _forward(x, offsets, gate_weight, up_weight, down_weight, activation, chunk_
     _check(*(x, offsets, gate_weight, up_weight, down_weight, activation), chunk_tokens, budget_mb, grad_accum,
            row_mask, row_weight)  # fmt: skip
     mask, weight = _rows(row_mask), _rows(row_weight)
+    gate_weight, up_weight, _ = _weights(gate_weight, up_weight)  # two views of a stacked weight: one GEMM
     n, i, d_out = x.shape[0], gate_weight.shape[2], down_weight.shape[2]
     if _grouped_ok(x, gate_weight, up_weight, down_weight):
         chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
@@ -423,35 +455,39 @@ _tiled_grouped_mlp_op = define_op("tiled_grouped_mlp", f"({_OPERANDS}) -> Tensor
 
 
 _GRAD_OPERANDS = (
-    "Tensor grad_out, Tensor x, Tensor offsets, Tensor gate_weight, Tensor up_weight, Tensor down_weight, "
+    "Tensor grad_out, Tensor x, Tensor offsets, Tensor gate_weight, Tensor? up_weight, Tensor down_weight, "
     "str activation, SymInt chunk_tokens, SymInt budget_mb, str grad_accum, bool[] needs_grad, Tensor? row_mask=None, "
     "Tensor? row_weight=None"
 )
 
 
-def _needs(needs_grad, row_weight) -> list[bool]:
+def _needs(needs_grad, up_weight, row_weight) -> list[bool]:
     needs = ([bool(v) for v in needs_grad] + [False] * 5)[:5]
+    needs[2] = needs[2] and up_weight is not None  # a stacked gate_up's grad comes whole in the gate's place
     needs[4] = needs[4] and row_weight is not None
     return needs
 
 
 def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb,
                     grad_accum, needs_grad, row_mask=None, row_weight=None):  # fmt: skip
-    needs = _needs(needs_grad, row_weight)
+    needs = _needs(needs_grad, up_weight, row_weight)
     need_x, need_wg, need_wu, need_wd, need_w = needs
+    gate_weight, up_weight, stacked = _weights(gate_weight, up_weight)
     n, i = x.shape[0], gate_weight.shape[2]
     mask, weight = _rows(row_mask), _rows(row_weight)
     if _grouped_ok(x, gate_weight, up_weight, down_weight) and _aligned(grad_out):
         chunk = _chunk(n, i, x.dtype, chunk_tokens, budget_mb)
         *grads, dw = _grouped_backward(
             grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk, grad_accum, needs, mask,
-            weight,
+            weight, stacked,
         )  # fmt: skip
         return (*grads, dw.reshape(row_weight.shape) if need_w else dw)
 
     def acc_for(p: Tensor, wanted: bool) -> Tensor | None:
         return _empty_grad(p, _acc_dtype(p, grad_accum), zero=True) if wanted else None
 
+    if stacked is not None:  # both halves' grads, put together at the end
+        need_wu = need_wg
     acc_wg, acc_wu, acc_wd = acc_for(gate_weight, need_wg), acc_for(up_weight, need_wu), acc_for(down_weight, need_wd)
     dx = x.new_zeros(x.shape) if need_x else None  # rows past offsets[-1] get no gradient
     dw = weight.new_zeros(weight.shape) if need_w else None
@@ -505,16 +541,22 @@ def _backward_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, a
         del g_buf, u_buf, dh_buf, t_buf
 
     g_wd, acc_wd = _finish_grad(acc_wd, down_weight, x), None
-    g_wu, acc_wu = _finish_grad(acc_wu, up_weight, x), None
-    g_wg, acc_wg = _finish_grad(acc_wg, gate_weight, x), None
+    if stacked is not None and need_wg:  # the stacked weight's grad, in its layout, in its dtype
+        g_wg, g_wu = _empty_grad(stacked, stacked.dtype), x.new_empty((0,))
+        g_wg[..., :i].copy_(acc_wg)
+        g_wg[..., i:].copy_(acc_wu)
+        acc_wg = acc_wu = None
+    else:
+        g_wu, acc_wu = _finish_grad(acc_wu, up_weight, x) if stacked is None else x.new_empty((0,)), None
+        g_wg, acc_wg = _finish_grad(acc_wg, gate_weight, x), None
     g_w = dw.reshape(row_weight.shape) if need_w else x.new_empty((0,))
     return (dx if dx is not None else x.new_empty((0,))), g_wg, g_wu, g_wd, g_w
 
 
 def _fake_grads(grad_out, x, offsets, gate_weight, up_weight, down_weight, activation, chunk_tokens, budget_mb,
                 grad_accum, needs_grad, row_mask=None, row_weight=None):  # fmt: skip
-    needs = _needs(needs_grad, row_weight)
-    weights = (gate_weight, up_weight, down_weight)
+    needs = _needs(needs_grad, up_weight, row_weight)
+    weights = (gate_weight, up_weight, down_weight)  # a stacked gate_up (up None): its grad whole in the gate's place
     return (  # a placeholder of its own per grad not needed: the op's outputs never alias one another
         x.new_empty(x.shape) if needs[0] else x.new_empty((0,)),
         *(_empty_grad(w, w.dtype) if need else x.new_empty((0,)) for need, w in zip(needs[1:4], weights)),
