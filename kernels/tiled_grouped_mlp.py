@@ -25,6 +25,13 @@ in the chunk, ``aᵀ b`` over those rows (a [rows, K], b [rows, N], the chunk's)
 carry added and the result stored as above. No [E, K, N] part is written: a chunk costs the GEMM of the experts it
 has, where ``grouped_mm`` writes every expert's grad (zeros for the rest) for the carry to read back.
 
+``_tiled_grouped_mlp_bwd_weighted_kernel`` is the backward kernel with HF's routing weight ``w[r]`` (the op's
+``row_weight``, ``y = (h Wd) * w``) in it: ``dh`` comes in as the grad of ``h Wd`` unscaled (``grouped_mm(dy,
+Wdᵀ)``), and per row, in fp32, ``du = act(g) * (dh * w)``, ``dg = (dh * w) * u * act'(g)``, the weight's grad
+``dw[r] = Σ_k dh·h`` (zero for the rows past ``offsets[-1]``), and ``h * w`` over ``dh`` for the down weight's grad
+(``dWd = (h * w)ᵀ dy``). Each program takes whole rows (column blocks in a loop), so the row sum needs no atomics;
+it replaces three elementwise passes over [rows, I] and a reduction per chunk.
+
 ``_rows_out_kernel`` puts a chunk's ``grouped_mm`` output into the op's [rows, N] result: row r of the chunk
 (the op's row ``start + r``) is ``y[r]``, times the row's weight if there is one (rounded once, as eager's
 ``y.mul_(w)``), or zero where ``start + r`` is past ``offsets[-1]`` (rows of no expert, which ``grouped_mm`` leaves
@@ -49,7 +56,8 @@ if HAS_TRITON:
 
     from tilecompile.kernels.tiled_mlp import _gated_act
 
-__all__ = ["HAS_TRITON", "act_backward", "act_mul", "carry_accumulate", "grouped_wgrad", "rows_out"]
+__all__ = ["HAS_TRITON", "act_backward", "act_backward_weighted", "act_mul", "carry_accumulate", "grouped_wgrad",
+           "rows_out"]  # fmt: skip
 
 _BLOCK = 1024
 _ACC_BLOCK = 4096
@@ -97,6 +105,45 @@ if HAS_TRITON:
         tl.store(g_at, dg.to(gu_ptr.dtype.element_ty), mask=valid)
         tl.store(u_at, du.to(gu_ptr.dtype.element_ty), mask=valid)
         tl.store(dh_ptr + offs, h.to(dh_ptr.dtype.element_ty), mask=valid)
+
+    @triton.jit
+    def _tiled_grouped_mlp_bwd_weighted_kernel(
+        gu_ptr, dh_ptr, mask_ptr, w_ptr, dw_ptr, offs_ptr, experts, rows, inter, stride_w, stride_dw, start,
+        HAS_MASK: tl.constexpr, NEED_DW: tl.constexpr, STORE_H: tl.constexpr, ACT: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # grid (row blocks,); every element is read and then overwritten by the same program (race-free in place)
+        rs = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_rows = rs < rows
+        w = tl.load(w_ptr + rs * stride_w, mask=in_rows, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            masked = tl.load(mask_ptr + rs, mask=in_rows, other=0) != 0
+        dw = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c in range(0, inter, BLOCK_C):
+            cs = c + tl.arange(0, BLOCK_C)
+            inside = in_rows[:, None] & (cs[None, :] < inter)
+            g_at = gu_ptr + rs[:, None] * 2 * inter + cs[None, :]
+            u_at = g_at + inter
+            dh_at = dh_ptr + rs[:, None] * inter + cs[None, :]
+            g = tl.load(g_at, mask=inside, other=0.0).to(tl.float32)
+            u = tl.load(u_at, mask=inside, other=0.0).to(tl.float32)
+            raw = tl.load(dh_at, mask=inside, other=0.0).to(tl.float32)
+            a, da = _gated_act(g, ACT)
+            h, scaled = a * u, raw * w[:, None]
+            du, dg = a * scaled, scaled * u * da
+            if HAS_MASK:  # the forward's zero fill: h = 0, and its backward: no grad reaches g or u
+                h = tl.where(masked[:, None], 0.0, h)
+                du, dg = tl.where(masked[:, None], 0.0, du), tl.where(masked[:, None], 0.0, dg)
+            if NEED_DW:
+                dw += tl.sum(raw * h, axis=1)
+            tl.store(g_at, dg.to(gu_ptr.dtype.element_ty), mask=inside)
+            tl.store(u_at, du.to(gu_ptr.dtype.element_ty), mask=inside)
+            if STORE_H:
+                tl.store(dh_at, (h * w[:, None]).to(dh_ptr.dtype.element_ty), mask=inside)
+        if NEED_DW:  # rows past offsets[-1] are no expert's: zero
+            end = tl.load(offs_ptr + experts - 1).to(tl.int64) - start
+            dw = tl.where(rs < end, dw, 0.0)
+            tl.store(dw_ptr + rs * stride_dw, dw.to(dw_ptr.dtype.element_ty), mask=in_rows)
 
     @triton.jit
     def _rows_out_kernel(
@@ -212,6 +259,31 @@ def act_backward(gu: Tensor, dh: Tensor, mask: Tensor | None, activation: str) -
             gu, dh, _mask_bytes(mask, gu), n, inter, HAS_MASK=mask is not None,
             ACT=mlp_kernels.ACT_CODE[activation], BLOCK=_BLOCK, num_warps=4,
         )  # fmt: skip
+
+
+def act_backward_weighted(gu: Tensor, dh: Tensor, mask: Tensor | None, weight: Tensor, dw: Tensor | None,
+                          offsets: Tensor, start: int, activation: str, store_h: bool) -> None:  # fmt: skip
+    """In place, with the row weight ``weight`` [rows, 1]: ``gu`` [rows, 2I] <- [dg | du] of ``dh * weight``, and
+    ``dh`` [rows, I] (the unscaled grad of ``h Wd``) <- ``h * weight`` if ``store_h`` (else left undefined);
+    ``dw`` [rows, 1] (if given) <- ``Σ dh·h`` per row, zero for the rows ``start + r >= offsets[-1]`` (``offsets``
+    [E] int32)."""
+    rows, inter = gu.shape[0], gu.shape[1] // 2
+    if not (gu.is_contiguous() and dh.is_contiguous()) or tuple(dh.shape) != (rows, inter) or dh.dtype != gu.dtype:
+        raise ValueError("tiled_grouped_mlp kernels: gu [rows, 2I] and dh [rows, I] must be contiguous, one dtype")
+    if weight.dim() != 2 or tuple(weight.shape) != (rows, 1) or (dw is not None and tuple(dw.shape) != (rows, 1)):
+        raise ValueError("tiled_grouped_mlp kernels: weight and dw must be [rows, 1]")
+    if offsets.dim() != 1 or offsets.dtype != torch.int32 or not len(offsets):
+        raise ValueError("tiled_grouped_mlp kernels: offsets must be [E] int32")
+    if rows:
+        _tiled_grouped_mlp_bwd_weighted_kernel[(triton.cdiv(rows, _WEIGHTED_R),)](
+            gu, dh, _mask_bytes(mask, gu), weight, weight if dw is None else dw, offsets, len(offsets), rows, inter,
+            weight.stride(0), 0 if dw is None else dw.stride(0), start, HAS_MASK=mask is not None,
+            NEED_DW=dw is not None, STORE_H=store_h, ACT=mlp_kernels.ACT_CODE[activation], BLOCK_R=_WEIGHTED_R,
+            BLOCK_C=_WEIGHTED_C, num_warps=4,
+        )  # fmt: skip
+
+
+_WEIGHTED_R, _WEIGHTED_C = 8, 256
 
 
 def rows_out(out: Tensor, y: Tensor, weight: Tensor | None, offsets: Tensor, start: int) -> None:

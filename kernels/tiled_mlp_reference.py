@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["act_backward_into", "act_backward_reference", "act_into", "act_mul_reference", "carry_accumulate_reference"]
+__all__ = [
+    "act_backward_into",
+    "act_backward_reference",
+    "act_backward_weighted_reference",
+    "act_into",
+    "act_mul_reference",
+    "carry_accumulate_reference",
+]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -69,6 +76,22 @@ def act_backward_reference(gu: Tensor, dh: Tensor, mask: Tensor | None, activati
     u.copy_(du)
     if mask is not None:
         gu.masked_fill_(mask, 0)
+
+
+def act_backward_weighted_reference(gu: Tensor, dh: Tensor, mask: Tensor | None, weight: Tensor, dw: Tensor | None,
+                                    offsets: Tensor, start: int, activation: str, store_h: bool) -> None:  # fmt: skip
+    """kernels/tiled_grouped_mlp.py's ``act_backward_weighted``: ``dh`` (the unscaled grad of ``h Wd``) times the
+    row weight, ``act_backward_reference``, ``dw = Σ dh·h`` per row in fp32 (zero past ``offsets[-1]``), then
+    ``dh <- h * weight`` if ``store_h``. Each product rounded to the compute dtype, as eager's elementwise ops."""
+    raw = dh.clone()
+    dh.mul_(weight)
+    act_backward_reference(gu, dh, mask, activation)  # dh <- h
+    if dw is not None:
+        rows = torch.arange(start, start + dh.shape[0], device=dh.device, dtype=torch.int64)
+        valid = (rows < offsets[-1:].to(torch.int64)).unsqueeze(1)
+        dw.copy_(torch.where(valid, (raw * dh).sum(1, keepdim=True, dtype=torch.float32), 0.0))
+    if store_h:
+        dh.mul_(weight)
 
 
 def carry_accumulate_reference(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor, start: int, stop: int,

@@ -386,6 +386,28 @@ _TRITON_WORKER = textwrap.dedent(
             reference.act_backward_reference(c, d, mask, act)
             assert torch.allclose(a, c, rtol=1e-5, atol=1e-6), (act, masked, (a - c).abs().max())
             assert torch.allclose(b, d, rtol=1e-5, atol=1e-6), (act, masked, (b - d).abs().max())
+    # with the row weight: [dg | du] of dh * w, dw = Σ dh·h (zero past offsets[-1]), h * w over dh
+    offs = torch.tensor([5, 20, 29], dtype=torch.int32)
+    for act in ("silu", "gelu_tanh"):
+        for dtype, masked, need_dw, store_h, start in ((torch.float32, False, True, True, 0),
+                                                       (torch.float32, True, True, False, 16),
+                                                       (torch.float16, True, False, True, 8),
+                                                       (torch.float32, False, True, True, 40)):
+            gu = torch.randn(37, 2 * 300).to(dtype)  # I = 300: two column blocks and a partial one
+            dh = torch.randn(37, 300).to(dtype)
+            w = torch.rand(37, 1).to(dtype)
+            mask = (torch.rand(37, 1) < 0.3) if masked else None
+            ours, theirs = [gu.clone(), dh.clone()], [gu.clone(), dh.clone()]
+            dws = [torch.full((37, 1), float("nan"), dtype=dtype) if need_dw else None for _ in range(2)]
+            K.act_backward_weighted(*ours, mask, w, dws[0], offs, start, act, store_h)
+            reference.act_backward_weighted_reference(*theirs, mask, w, dws[1], offs, start, act, store_h)
+            tol = 1e-5 if dtype == torch.float32 else 4e-3  # fp16: the reference rounds each product
+            for x, y in zip(ours[: 1 + store_h] + dws[:1], theirs[: 1 + store_h] + dws[1:]):  # dh only if stored
+                if x is not None:
+                    assert torch.allclose(x.float(), y.float(), rtol=tol, atol=tol * 30), (act, dtype, start,
+                                                                                          (x - y).abs().max())
+            if need_dw:
+                assert (dws[0][max(29 - start, 0):] == 0).all() and not dws[0].isnan().any(), (start, dws[0])
     # the weight-grad carry over 5 chunks of 8 rows (an expert across three edges, idle ones, rows past the end)
     offsets = torch.tensor([0, 3, 11, 11, 30, 31, 36], dtype=torch.int32)
     for dtype, carry_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32),

@@ -238,6 +238,18 @@ def _act_backward(gu: Tensor, dh: Tensor, mask: Tensor | None, activation: str) 
         mlp_reference.act_backward_reference(gu, dh, mask, activation)
 
 
+def _act_backward_weighted(gu: Tensor, dh: Tensor, mask: Tensor | None, weight: Tensor, dw: Tensor | None,
+                           offsets: Tensor, start: int, activation: str, store_h: bool) -> None:  # fmt: skip
+    """With the row weight: ``gu`` <- [dg | du] of ``dh * weight``, ``dw`` <- ``Σ dh·h`` per row, ``dh`` <- ``h *
+    weight`` (``dh`` the unscaled grad of ``h Wd``); one kernel on CUDA."""
+    args = (gu, dh, mask, weight, dw, offsets, start, activation, store_h)
+    dtypes_ok = weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if _use_triton(gu) and gu.is_contiguous() and dh.is_contiguous() and dtypes_ok:
+        grouped_kernels.act_backward_weighted(*args)
+    else:
+        mlp_reference.act_backward_weighted_reference(*args)
+
+
 def _carry_accumulate(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor, start: int, stop: int, rows: int,
                       index: int, last: bool) -> None:  # fmt: skip
     args = (grad, carry, part, offsets, start, stop, rows, index, last)
@@ -274,15 +286,12 @@ def _empty_grad(w: Tensor, dtype: torch.dtype, zero: bool = False) -> Tensor:
 
 
 def _chunks(offsets: Tensor, n: int, chunk: int):
-    """(start, stop, the chunk's offsets clamped to its rows (int32), its rows below offsets[-1] [rows, 1]) per
-    chunk of ``chunk`` rows; all on the device."""
+    """(start, stop, the chunk's offsets clamped to its rows) per chunk of ``chunk`` rows; the offsets int32 on the
+    device."""
     offs = offsets.to(torch.int32)
-    end = offs[-1:]
     for s in range(0, n, chunk):
         t = min(s + chunk, n)
-        local = (offs - s).clamp_(0, t - s)
-        valid = (torch.arange(s, t, device=offs.device, dtype=torch.int32) < end).unsqueeze(1)
-        yield s, t, local, valid
+        yield s, t, (offs - s).clamp_(0, t - s)
 
 
 def _gate_up(xc: Tensor, local: Tensor, fused: Tensor | None, gate_weight: Tensor, up_weight: Tensor) -> Tensor:
@@ -297,7 +306,7 @@ def _grouped_forward(x, offsets, gate_weight, up_weight, down_weight, activation
     out = x.new_empty((n, d_out))
     fused = _fused_gate_up(gate_weight, up_weight)
     offs = offsets.to(torch.int32)
-    for s, t, local, _ in _chunks(offs, n, chunk):
+    for s, t, local in _chunks(offs, n, chunk):
         gu = _gate_up(x[s:t], local, fused, gate_weight, up_weight)
         h = _act_mul(gu, None if mask is None else mask[s:t], activation)
         del gu
@@ -350,20 +359,17 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
             _carry_accumulate(grads[key], carries[key], part, offs, s, t, n, index, index == chunks - 1)
 
     need_dgu = need_x or need_wg or need_wu
-    for index, (s, t, local, valid) in enumerate(_chunks(offs, n, chunk)):
+    for index, (s, t, local) in enumerate(_chunks(offs, n, chunk)):
         xc, dyc = x[s:t], grad_out[s:t]
         gu = _gate_up(xc, local, fused, gate_weight, up_weight)
         dh = torch._grouped_mm(dyc, down_weight.transpose(-2, -1), local)
-        if weight is not None:  # y = (h Wd) * w: d(h Wd) = dy * w, so dh = (dy Wdᵀ) * w
-            raw, dh = dh, dh * weight[s:t]
-        _act_backward(gu, dh, None if mask is None else mask[s:t], activation)  # gu <- [dg | du], dh <- h
-        if weight is not None:
-            if need_w:  # dw = Σ_j dy·(h Wd) = Σ_k (dy Wdᵀ)·h, in fp32; zero past offsets[-1]
-                part = torch.where(valid, (raw * dh).sum(1, keepdim=True, dtype=torch.float32), 0.0)
-                dw[s:t].copy_(part)
-            del raw
-            if need_wd:  # dWd = hᵀ (dy * w) = (h * w)ᵀ dy
-                dh.mul_(weight[s:t])
+        mc = None if mask is None else mask[s:t]
+        if weight is None:
+            _act_backward(gu, dh, mc, activation)  # gu <- [dg | du], dh <- h
+        else:  # y = (h Wd) * w: d(h Wd) = dy * w, so [dg | du] from (dy Wdᵀ) * w; dw = Σ_j dy·(h Wd) = Σ_k (dy Wdᵀ)·h
+            # (zero past offsets[-1]); dWd = hᵀ (dy * w) = (h * w)ᵀ dy
+            dwc = dw[s:t] if need_w else None
+            _act_backward_weighted(gu, dh, mc, weight[s:t], dwc, offs, s, activation, need_wd)
         if need_wd:
             add_grad("d", dh, dyc, local, index, s, t)
         del dh
