@@ -73,10 +73,9 @@ def step_grouped_mm(x, gate_up, down, offsets, dy, **_):
 
 
 def step_tiled(x, gate_up, down, offsets, dy, chunk=0, grad_accum="fp32"):
-    w = gate_up.transpose(-2, -1)
-    inter = w.shape[-1] // 2
+    # the stacked gate_up whole, as the experts pass hands it over: its grad comes back whole, in its layout
     y = grouped_op.tiled_grouped_mlp(
-        x, offsets, w[..., :inter], w[..., inter:], down.transpose(-2, -1), chunk_tokens=chunk, grad_accum=grad_accum
+        x, offsets, gate_up.transpose(-2, -1), None, down.transpose(-2, -1), chunk_tokens=chunk, grad_accum=grad_accum
     )
     return torch.autograd.grad(y, (x, gate_up, down), dy)
 

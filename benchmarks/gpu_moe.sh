@@ -4,7 +4,8 @@
 # usage (on the device, repo root): bash benchmarks/gpu_moe.sh OUTDIR [all|step|op]
 #   step: the three step runs (about 4 minutes on an H100); op: bench_moe_op.py alone with its kernel profile (about
 #   1.5 minutes); memory: checkpointing off at 16k (tiled, left alone, Inductor) and Inductor at 8k (about 4 minutes);
-#   all: step and op
+#   all: step and op; profile: the rows check (forward and the weighted backward), the step left alone and tiled at 8k
+#   and 32k with the tiled step's 14 costliest kernels, and the op at the budget's chunk (about 7 minutes on an H100)
 set -u
 out=${1:?OUTDIR}
 part=${2:-all}
@@ -17,6 +18,15 @@ e2e --methods tilecompile --lengths 16384 --checkpointing off --env TILECOMPILE_
 e2e --methods tilecompile --lengths 16384 --checkpointing off --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone, no checkpointing" --budget 100
 e2e --methods inductor --lengths 16384 --checkpointing off --budget 100
 e2e --methods inductor --lengths 8192 --budget 100
+exit 0
+fi
+if [ "$part" = profile ]; then
+timeout 90 python3 benchmarks/check_moe_rows.py 2>&1 | grep "check"
+e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0 --note "experts left alone (check_pays)" --budget 150
+python3 benchmarks/e2e.py --models 30b-a3b --layers 4 --checkpointing on --repeats 2 --csv "$out/e2e_moe.csv" --methods tilecompile \
+  --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_MIN_TOKENS=0 --note "experts tiled" --budget 150 --profile 14 \
+  2>&1 | grep -v "^W1\|Warning\|^E1" | grep "ok=\|cut\|skipped\|^--\|^ "
+timeout 120 python3 benchmarks/bench_moe_op.py --repeats 5 --memory-tokens "" --no-loop --chunks 0 --csv "$out/moe_op.csv" 2>&1 | grep -v "^W1\|Warning" | tail -20
 exit 0
 fi
 if [ "$part" != op ]; then
