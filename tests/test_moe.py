@@ -754,20 +754,44 @@ def test_experts_left_alone_where_tiling_does_not_pay(checkpointing):
     assert all(where in r and "MiB" in r for r in reasons), reasons
 
 
-@pytest.mark.parametrize("checkpointing,ratio,tiled", [(True, 2, False), (True, 5, True), (False, 2, True)])
-def test_in_a_checkpoint_body_tiling_needs_body_factor_times_the_ops_bytes(monkeypatch, checkpointing, ratio, tiled):
-    """The rule's two thresholds, with the op's bytes set to 1/ratio of the layer's saved bytes: without
-    checkpointing, tiled as soon as the activations exceed the op's bytes; in a checkpoint body only from
-    ``BODY_FACTOR`` (4) times, the reason saying why (a transient, and measured slower). Values equal eager's."""
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("scale,tiled", [(0.5, True), (1.0, False), (2.0, False)])
+def test_tiled_where_the_activations_exceed_the_ops_bytes(monkeypatch, checkpointing, scale, tiled):
+    """The rule's threshold, with the op's bytes set to ``scale`` times the layer's saved bytes: tiled where the
+    activations exceed them, in a checkpoint body as without checkpointing (where the graph's expert MLPs are summed,
+    so the graph's two layers hold twice one layer's bytes: tiled at 1.0 too). Values equal eager's."""
     from tilecompile.passes.mlp import experts
 
-    monkeypatch.setattr(experts, "op_bytes", lambda m, *args: experts.saved_bytes(m) // ratio)
+    monkeypatch.setattr(experts, "op_bytes", lambda m, *args: int(experts.saved_bytes(m) * scale))
     _step_equals_eager("qwen3_moe", checkpointing, mlp_min_tokens=1)
-    assert len(_rewrites()) == (2 if tiled else 0), tilecompile.report()
-    if not tiled:
+    expected = tiled or (not checkpointing and scale < 2)
+    assert len(_rewrites()) == (2 if expected else 0), tilecompile.report()
+    if not expected:
         reasons = [s.reason for s in _skips() if "experts" in s.module_path]
-        assert reasons and all("held only through its recompute and backward" in r and "at least 4x" in r
-                               for r in reasons), reasons  # fmt: skip
+        where = "held only through its recompute and backward" if checkpointing else "the graph's expert MLPs together"
+        assert reasons and all("tiling does not pay" in r and where in r for r in reasons), reasons
+
+
+def test_op_bytes_count_a_chunks_weight_grad_only_without_the_wgrad_kernel(monkeypatch):
+    """On CUDA with Triton the grouped_wgrad kernel writes each chunk's weight grads straight into the grads: the op
+    holds no [E, D, I] part then; off CUDA (or with the kernel off) it does, and op_bytes counts it."""
+    from tilecompile.ops import tiled_grouped_mlp as grouped_op
+    from tilecompile.passes.mlp import experts
+
+    found = []
+    monkeypatch.setattr(experts, "check_pays", lambda m, *args: found.append(m))
+    _step(_compile(_model("qwen3_moe"), mlp_min_tokens=1), torch.randint(0, VOCAB, (2, 7)))
+    assert found, tilecompile.report()
+    e, d, i = 4, 16, 24  # the tiny model's experts: [E, D, I] gate and up, [E, I, D] down, fp32
+    carry, chunk = 2 * (2 * d * i + i * d) * 4, 256 * 2**20
+    assert experts.op_bytes(found[0], 256, "fp32") == carry + e * d * i * 4 + chunk  # on this CPU
+    assert not grouped_op.wgrad_kernel_runs(torch.device("cpu"))
+    assert grouped_op.wgrad_kernel_runs(torch.device("cuda")) == grouped_op.grouped_kernels.HAS_TRITON
+    monkeypatch.setattr(grouped_op, "wgrad_kernel_runs", lambda device: True)  # as on a GPU
+    assert experts.op_bytes(found[0], 256, "fp32") == carry + chunk
+    monkeypatch.undo()
+    monkeypatch.setattr(grouped_op, "USE_WGRAD_KERNEL", False)
+    assert not grouped_op.wgrad_kernel_runs(torch.device("cuda"))
 
 
 def test_experts_of_a_layer_the_memory_plan_keeps_stay_whole(monkeypatch):

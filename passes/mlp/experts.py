@@ -47,17 +47,18 @@ layer whole (``common.check_kept``).
 
 When tiling pays (issue 42). Left alone, the experts' autograd saves about four [S, I] tensors per layer (the [S, 2I]
 gate/up output, act(g), h) from the forward to the backward: ``4·S·I·itemsize`` bytes. Tiled, the op saves none but
-holds, during its backward, one chunk's [E, D, I] weight grad, the chunk's buffers (``mlp_chunk_budget_mb``) and a
-two-slot carry per weight (``2·(2·D·I + I·D_out)`` elements in the accumulation dtype; no [E, K, N]
-accumulator). In the root graph (no checkpointing), every expert MLP of the graph holds its activations until its
-backward, so their sum is compared with the op's bytes, and the experts are tiled where it is larger. Inside a
-checkpoint body only one layer's activations are held at a time, and only through that layer's recompute and
-backward. There tiling saves a transient and costs time: it recomputes the gate/up GEMM, and its chunked GEMMs run
-slower than whole ones. On the H200, at Qwen3-30B-A3B's shape, tiled experts ran 0.73x at 8k and 0.92x at 32k
-tokens of leaving them alone (benchmarks/RESULTS.md, 2026-12-06). So there the layer's saved bytes must be at least
-``BODY_FACTOR`` times the op's before the experts are tiled (a heuristic from those two lengths: the slowdown
-shrinks as the chunks grow). Experts left alone get both numbers as the reason; ``mlp_min_tokens=0`` tiles them
-anyway. Sizes are read at their hints
+holds, during its backward, the chunk's buffers (``mlp_chunk_budget_mb``), a two-slot carry per weight
+(``2·(2·D·I + I·D_out)`` elements in the accumulation dtype; no [E, K, N] accumulator) and, where its
+``grouped_wgrad`` kernel does not run (no CUDA, no Triton), one chunk's [E, D, I] weight grad from ``grouped_mm``.
+In the root graph (no checkpointing), every expert MLP of the graph holds its activations until its backward, so
+their sum is compared with the op's bytes; inside a checkpoint body only one layer's activations are held at a time,
+through that layer's recompute and backward, so that layer's. The experts are tiled where the activations are
+larger. Speed does not argue against it there any more: the op recomputes the gate/up GEMM, but its forward is not
+run again by the checkpoint's recompute (the routing weight taken in), and on the H100 at Qwen3-30B-A3B's shape,
+4 layers checkpointed, tiled experts ran 1.04x at 8k and 1.01x at 32k tokens of leaving them alone
+(benchmarks/RESULTS.md, 2026-12-07; 0.73x and 0.92x on 2026-12-06, before the weight-grad kernel, the grads in the
+weights' layout and the row-weight kernel, when a body needed 4x). Experts left alone get both numbers as the
+reason; ``mlp_min_tokens=0`` tiles them anyway. Sizes are read at their hints
 (no guard): a dynamic-shape graph keeps the choice made at its first length.
 
 Every grouped matmul the pass does not take into a rewrite gets a reason too (no silent miss), and so does a down
@@ -74,7 +75,7 @@ import operator
 import torch
 import torch.fx as fx
 
-import tilecompile.ops.tiled_grouped_mlp  # noqa: F401 - registers torch.ops.tilecompile.tiled_grouped_mlp
+import tilecompile.ops.tiled_grouped_mlp as grouped_op  # registers torch.ops.tilecompile.tiled_grouped_mlp
 from tilecompile import graph as fxgraph
 from tilecompile import reporting
 from tilecompile.ops.tiled_mlp import acc_dtype
@@ -472,22 +473,23 @@ def saved_bytes(m: GroupedMLP) -> int | None:
 
 
 def op_bytes(m: GroupedMLP, budget_mb: int, grad_accum: str) -> int | None:
-    """What the tiled op holds in its backward beyond unchunked grouped_mm: one chunk's [E, D, I] weight grad, the
-    chunk's buffers, and the weight grads' two-slot carry in the accumulation dtype."""
+    """What the tiled op holds in its backward beyond unchunked grouped_mm: the chunk's buffers, the weight grads'
+    two-slot carry in the accumulation dtype, and one chunk's [E, D, I] weight grad where the grouped_wgrad kernel
+    does not make the grads (off CUDA, or without Triton)."""
     e, d, i = (fxgraph.hint(v) for v in (fxgraph.shape(m.down.weight)[0], m.gate.mm.in_features, m.gate.width))
     d_out, dtype = fxgraph.hint(m.down.out_features), fxgraph.dtype(m.down.node)
     if None in (e, d, i, d_out) or dtype is None:
         return None
     carry = 2 * (2 * d * i + i * d_out) * acc_dtype(dtype, grad_accum).itemsize
-    return carry + e * max(d, d_out) * i * dtype.itemsize + budget_mb * 2**20
-
-
-BODY_FACTOR = 4  # inside a checkpoint body: tile where the layer's saved bytes are at least this many times the op's
+    value = fxgraph.example_value(m.x)
+    kernel = isinstance(value, torch.Tensor) and grouped_op.wgrad_kernel_runs(value.device)
+    part = 0 if kernel else e * max(d, d_out) * i * dtype.itemsize
+    return carry + part + budget_mb * 2**20
 
 
 def check_pays(m: GroupedMLP, ctx: PassContext, graph_saved: int) -> str | None:
-    """Tiling pays where the activations left alone would hold more than the op does, by ``BODY_FACTOR`` inside a
-    checkpoint body (module docstring)."""
+    """Tiling pays where the activations left alone would hold more than the op does: a checkpoint body's layer's,
+    or the root graph's expert MLPs' together (module docstring)."""
     s = ctx.settings
     if not s.mlp_min_tokens:
         return None
@@ -496,21 +498,20 @@ def check_pays(m: GroupedMLP, ctx: PassContext, graph_saved: int) -> str | None:
         return None
     in_body = ctx.graph_name != "<root>"  # a checkpoint body: one layer's activations at a time
     held = mine if in_body else max(graph_saved, mine)
-    if held > (BODY_FACTOR * cost if in_body else cost):
+    if held > cost:
         return None
     mib = 2**20
     holds = (
-        f"the tiled op would hold {cost / mib:.0f} MiB in its backward (a chunk's weight grad, "
-        f"mlp_chunk_budget_mb, the grad_accum={s.mlp_grad_accum} carry) and recompute its gate/up GEMM"
+        f"the tiled op would hold {cost / mib:.0f} MiB in its backward (the chunk's buffers, mlp_chunk_budget_mb, the "
+        f"grad_accum={s.mlp_grad_accum} carry, a chunk's weight grad where its grouped_wgrad kernel does not run) and "
+        f"recompute its gate/up GEMM"
     )
     if not in_body:
         return (f"tiling does not pay: left alone, the graph's expert MLPs together (no checkpointing) save "
                 f"{held / mib:.0f} MiB of activations; {holds} (mlp_min_tokens=0 tiles anyway)")  # fmt: skip
     return (
         f"tiling does not pay: left alone, this checkpointed layer's experts save {held / mib:.0f} MiB of activations, "
-        f"held only through its recompute and backward; {holds}, and tiled experts ran slower than left alone on the "
-        f"H200 (0.92x at 32k tokens); in a checkpoint body they are tiled where they save at least {BODY_FACTOR}x "
-        f"what the op holds (mlp_min_tokens=0 tiles anyway)"
+        f"held only through its recompute and backward; {holds} (mlp_min_tokens=0 tiles anyway)"
     )
 
 

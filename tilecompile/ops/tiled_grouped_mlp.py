@@ -225,6 +225,13 @@ def _use_triton(t: Tensor) -> bool:
     return grouped_kernels.HAS_TRITON and USE_TRITON and (t.is_cuda or _TRITON_ON_CPU)
 
 
+def wgrad_kernel_runs(device: torch.device) -> bool:
+    """Whether the grouped path's weight grads over several chunks come from the grouped_wgrad kernel on ``device``
+    (no [E, K, N] part of the chunk from ``grouped_mm``); the experts pass's ``op_bytes`` asks too."""
+    on_device = device.type == "cuda" or _TRITON_ON_CPU
+    return grouped_kernels.HAS_TRITON and USE_TRITON and USE_WGRAD_KERNEL and on_device
+
+
 def _act_mul(gu: Tensor, mask: Tensor | None, activation: str) -> Tensor:
     if _use_triton(gu) and gu.is_contiguous():  # grouped_mm may pad its output's rows: then the reference
         return grouped_kernels.act_mul(gu, mask, activation)
@@ -349,7 +356,7 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
         """The chunk's weight grad aᵀ b per expert (bᵀ a where flipped), into the grad."""
         if flip[key]:
             a, b = b, a
-        if chunks != 1 and _use_triton(a) and USE_WGRAD_KERNEL:  # the GEMM and the carry in one kernel
+        if chunks != 1 and wgrad_kernel_runs(a.device):  # the GEMM and the carry in one kernel
             grouped_kernels.grouped_wgrad(grads[key], carries[key], a, b, offs, s, t, n, index, index == chunks - 1)
             return
         part = torch._grouped_mm(a.t(), b, local)
