@@ -63,7 +63,8 @@ Two paths, the same math:
   grouped GEMM that reduces over each expert's rows, [E, K, N]; for a stacked gate_up one, ``xcᵀ [dg | du]``).
   Each chunk's ``y`` (times the row weight) and ``dx`` go into the op's rows with the rows past ``offsets[-1]``
   zeroed on the device (a ``where``, or the ``rows_out`` kernel under ``USE_ROWS_KERNEL``). Live per chunk:
-  [rows, 2I] + [rows, I] in the compute dtype and one [E, K, N] weight grad of the chunk.
+  [rows, 2I] + [rows, I] in the compute dtype and, where the grouped_wgrad kernel does not run
+  (``wgrad_kernel_runs``), one [E, K, N] weight grad of the chunk.
   Weight grads: with one chunk, ``grouped_mm``'s own (it accumulates in fp32 inside the GEMM, as unchunked); with
   several, each chunk's [E, K, N] grad (rounded to the compute dtype by ``grouped_mm``, which has no fp32 output
   on CUDA) goes straight into the grad, in the parameter's dtype, by one Triton kernel on CUDA that touches only
