@@ -6,8 +6,7 @@
 #   1.5 minutes); memory: checkpointing off at 16k (tiled, left alone, Inductor) and Inductor at 8k (about 4 minutes);
 #   all: step and op; profile: the rows check (forward and the weighted backward), the step left alone and tiled at 8k
 #   and 32k with the tiled step's 14 costliest kernels, and the op at the budget's chunk (about 7 minutes on an H100);
-#   default: the rows check, the default step against the experts left alone at 8k and 32k, and both at 4k, tiling
-#   forced (about 5 minutes)
+#   default: the rows check, the default step against the experts left alone at 8k and 32k (about 3.5 minutes)
 set -u
 out=${1:?OUTDIR}
 part=${2:-all}
@@ -26,8 +25,6 @@ if [ "$part" = default ]; then  # the rows check, then the default step (experts
 timeout 90 python3 benchmarks/check_moe_rows.py 2>&1 | grep "check"
 e2e --methods tilecompile --lengths 8192,32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone" --budget 150
 e2e --methods tilecompile --lengths 8192,32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0 --note "default (check_pays tiles from about 6.2k tokens a layer)" --budget 150
-e2e --methods tilecompile --lengths 4096 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone" --budget 60
-e2e --methods tilecompile --lengths 4096 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_MIN_TOKENS=0 --note "experts tiled (below check_pays' threshold)" --budget 60
 exit 0
 fi
 if [ "$part" = profile ]; then
