@@ -350,7 +350,8 @@ def _grouped_backward(grad_out, x, offsets, gate_weight, up_weight, down_weight,
     if chunks != 1:
         for k, (need, w) in wanted.items():
             if need:
-                grads[k] = _empty_grad(w, w.dtype).transpose(-2, -1) if flip[k] else _empty_grad(w, w.dtype)
+                e, rows_k, cols_n = w.shape  # the problem's own [E, K, N], or [E, N, K] where flipped
+                grads[k] = w.new_empty((e, cols_n, rows_k) if flip[k] else (e, rows_k, cols_n))
                 carries[k] = grads[k].new_empty((2, *grads[k].shape[1:]), dtype=_acc_dtype(w, grad_accum))
 
     def add_grad(key: str, a: Tensor, b: Tensor, local: Tensor, index: int, s: int, t: int) -> None:
