@@ -55,11 +55,11 @@ their sum is compared with the op's bytes; inside a checkpoint body only one lay
 through that layer's recompute and backward, so that layer's. The experts are tiled where the activations are
 larger. Speed does not argue against it there any more: the op recomputes the gate/up GEMM, but its forward is not
 run again by the checkpoint's recompute (the routing weight taken in), and on the H100 at Qwen3-30B-A3B's shape,
-4 layers checkpointed, tiled experts ran 1.04x at 8k and 1.01x at 32k tokens of leaving them alone
-(benchmarks/RESULTS.md, 2026-12-07; 0.73x and 0.92x on 2026-12-06, before the weight-grad kernel, the grads in the
-weights' layout and the row-weight kernel, when a body needed 4x). Experts left alone get both numbers as the
-reason; ``mlp_min_tokens=0`` tiles them anyway. Sizes are read at their hints
-(no guard): a dynamic-shape graph keeps the choice made at its first length.
+4 layers checkpointed, tiled experts ran 1.006-1.042x at 8k and 1.000-1.009x at 32k tokens of leaving them alone
+in two calls (benchmarks/RESULTS.md, 2026-12-07; 0.73x and 0.92x on the H200 on 2026-12-06, before the weight-grad
+kernel, the grads in the weights' layout and the row-weight kernel, when a body needed 4x). Experts left alone get
+both numbers as the reason; ``mlp_min_tokens=0`` tiles them anyway. Sizes are read at their hints (no guard): a
+dynamic-shape graph keeps the choice made at its first length.
 
 Every grouped matmul the pass does not take into a rewrite gets a reason too (no silent miss), and so does a down
 projection of gathered weights in a form it does not read.
