@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 42, one device call: the Qwen3-30B-A3B step (4 of 48 layers, checkpointing on) with the experts left alone
 # against tiled, no memory plan for either, Inductor's step at 32k in the same call, then the op alone.
-# usage (on the device, repo root): bash benchmarks/gpu_moe.sh OUTDIR [all|step|op]
+# usage (on the device, repo root): bash benchmarks/gpu_moe.sh OUTDIR [all|step|op|memory|profile|default]
 #   step: the three step runs (about 4 minutes on an H100); op: bench_moe_op.py alone with its kernel profile (about
 #   1.5 minutes); memory: checkpointing off at 16k (tiled, left alone, Inductor) and Inductor at 8k (about 4 minutes);
 #   all: step and op; profile: the rows check (forward and the weighted backward), the step left alone and tiled at 8k
@@ -29,7 +29,7 @@ exit 0
 fi
 if [ "$part" = profile ]; then
 timeout 90 python3 benchmarks/check_moe_rows.py 2>&1 | grep "check"
-e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0 --note "experts left alone (check_pays)" --budget 150
+e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone" --budget 150
 python3 benchmarks/e2e.py --models 30b-a3b --layers 4 --checkpointing on --repeats 2 --csv "$out/e2e_moe.csv" --methods tilecompile \
   --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_MIN_TOKENS=0 --note "experts tiled" --budget 150 --profile 14 \
   2>&1 | grep -v "^W1\|Warning\|^E1" | grep "ok=\|cut\|skipped\|^--\|^ "
@@ -37,7 +37,7 @@ timeout 120 python3 benchmarks/bench_moe_op.py --repeats 5 --memory-tokens "" --
 exit 0
 fi
 if [ "$part" != op ]; then
-e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0 --note "experts left alone (check_pays)" --budget 150
+e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone" --budget 150
 e2e --methods tilecompile --lengths 8192,32768 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_MIN_TOKENS=0 --note "experts tiled" --budget 150
 e2e --methods inductor --lengths 32768 --budget 150
 fi
