@@ -6,7 +6,9 @@
 #   1.5 minutes); memory: checkpointing off at 16k (tiled, left alone, Inductor) and Inductor at 8k (about 4 minutes);
 #   all: step and op; profile: the rows check (forward and the weighted backward), the step left alone and tiled at 8k
 #   and 32k with the tiled step's 14 costliest kernels, and the op at the budget's chunk (about 7 minutes on an H100);
-#   default: the rows check, the default step against the experts left alone at 8k and 32k (about 3.5 minutes)
+#   default: the rows check, the default step against the experts left alone at 8k and 32k (about 3.5 minutes);
+#   accept: issue 42's step rows in one call: default, default with 1 GiB chunks, left alone (again at 32k, last),
+#   Inductor at 8k, 32k and (on a card with more than 100 GiB) 64k (about 8 minutes on an H100)
 set -u
 out=${1:?OUTDIR}
 part=${2:-all}
@@ -25,6 +27,17 @@ if [ "$part" = default ]; then  # the rows check, then the default step (experts
 timeout 90 python3 benchmarks/check_moe_rows.py 2>&1 | grep "check"
 e2e --methods tilecompile --lengths 8192,32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone" --budget 150
 e2e --methods tilecompile --lengths 8192,32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0 --note "default (check_pays tiles from about 6.2k tokens a layer)" --budget 150
+exit 0
+fi
+if [ "$part" = accept ]; then
+timeout 90 python3 benchmarks/check_moe_rows.py 2>&1 | grep "check"
+e2e --methods tilecompile --lengths 8192,32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone" --budget 120
+e2e --methods tilecompile --lengths 8192,32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0 --note "default (check_pays tiles from about 6.2k tokens a layer)" --budget 120
+e2e --methods tilecompile --lengths 32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_CHUNK_BUDGET_MB=1024 --note "default, chunks of 1 GiB" --budget 80
+e2e --methods tilecompile --lengths 32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone, after" --budget 80
+big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+if [ "$big" -gt 100000 ]; then lens=8192,32768,65536; else lens=8192,32768; fi
+e2e --methods inductor --lengths $lens --budget 200
 exit 0
 fi
 if [ "$part" = profile ]; then
