@@ -70,6 +70,7 @@ import csv
 import datetime
 import importlib.metadata
 import json
+import linecache
 import os
 import pathlib
 import signal
@@ -368,6 +369,84 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+_MAX_ENTRIES = 2_000_000
+
+
+def record_memory_history() -> None:
+    """The CUDA allocator's trace on, with Python stacks (``live_at_peak`` groups by them)."""
+    torch.cuda.memory._record_memory_history(max_entries=_MAX_ENTRIES, stacks="python")
+
+
+def memory_trace() -> list[dict]:
+    """The current device's allocator trace so far."""
+    trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    assert len(trace) < _MAX_ENTRIES, "the allocator's trace wrapped; raise _MAX_ENTRIES"
+    return trace
+
+
+def _origin(frames: list[dict]) -> str:
+    """The innermost frame outside torch's own Python files (Inductor's generated code is outside them), with its
+    source line."""
+    torch_dir = os.path.dirname(torch.__file__)
+    for fr in frames:
+        name = fr.get("filename", "")
+        if name.startswith(torch_dir) and "torchinductor" not in name:
+            continue
+        text = linecache.getline(name, fr.get("line", 0)).strip()
+        return f"{os.path.basename(name)}:{fr.get('line')}:{fr.get('name')}: {text[:110]}"
+    return "(torch only) " + (f"{frames[0].get('name')}" if frames else "")
+
+
+def live_at_peak(trace: list[dict], mark: int, top: int = 14) -> dict:
+    """Replays the allocator's trace (allocated bytes fall at a free's request, as ``max_memory_allocated``'s do):
+    what is live at entry ``mark`` (the last step's start: weights, grads, whatever a step keeps for the next), the
+    step's peak after it, and the allocations live then, by origin, largest first."""
+
+    def replay(upto: int, after: int) -> tuple[dict[int, tuple[int, list]], int, int]:
+        """The allocations live after entry ``upto``, and (the peak, its entry) between ``after`` and there."""
+        live: dict[int, tuple[int, list]] = {}
+        now = best = at = 0
+        for i, e in enumerate(trace[: upto + 1]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = (e["size"], e.get("frames", []))
+                now += e["size"]
+                if i >= after and now > best:
+                    best, at = now, i
+            elif e["action"] == "free_requested" and e["addr"] in live:
+                now -= live.pop(e["addr"])[0]
+        return live, best, at
+
+    def by_origin(live: dict[int, tuple[int, list]]) -> list[str]:
+        groups: dict[str, list[int]] = {}
+        for size, frames in live.values():
+            g = groups.setdefault(_origin(frames), [0, 0])
+            g[0] += size
+            g[1] += 1
+        rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+        return [f"{b / 2**20:9.1f} MiB x{n:<3d} {origin}" for origin, (b, n) in rows]
+
+    at_start = replay(mark - 1, len(trace))[0] if mark else {}
+    _, best, at = replay(len(trace) - 1, mark)
+    at_best = replay(at, len(trace))[0]  # a second pass to the peak's entry: no copy of the live set at every new peak
+    return {
+        "start_gib": round(sum(size for size, _ in at_start.values()) / 2**30, 3),
+        "traced_peak_gib": round(best / 2**30, 3),  # what was live at the step's peak, the start's bytes included
+        "at_start": by_origin(at_start),
+        "by_origin": by_origin(at_best),
+    }
+
+
+def write_snapshot(path: str, row: dict, at_peak: dict) -> None:
+    """Appends what was live at a length's last timed step's peak (or, where it failed, at the peak of its attempt),
+    by origin, to ``path`` (JSON lines), and prints the largest."""
+    keys = ("model", "layers", "method", "checkpointing", "env", "seq_len", "ok", "error", "peak_gib")
+    with open(path, "a") as f:
+        f.write(json.dumps(dict({k: row.get(k) for k in keys}, **at_peak)) + "\n")
+    print(f"snapshot {row['seq_len']}: start {at_peak['start_gib']} GiB, traced peak {at_peak['traced_peak_gib']} GiB")
+    for line in at_peak["by_origin"][:8]:
+        print("snapshot   " + line)
+
+
 def worker(cfg: dict) -> None:
     """One (model, method, checkpointing) over every length (and ``--search``'s): ``TRY {json}`` before a length,
     ``ROW {json}`` after it."""
@@ -380,6 +459,9 @@ def worker(cfg: dict) -> None:
     torch._inductor.config.force_disable_caches = not cfg["warm_cache"]
     warnings.filterwarnings("ignore", "dynamo_pgo force disabled")  # the caches being off is the point
     method, dynamic = cfg["method"], cfg["dynamic"]
+    snapshot = cuda and cfg.get("snapshot", "")
+    if snapshot:  # from before the build, so what a step starts with (the weights among it) has its origin too
+        record_memory_history()
     model, full = build(cfg["model"], cfg["tiny"], cfg["layers"], cfg["checkpointing"], method == "liger", device)
     base = dict(model=cfg["model"], family=MODELS[cfg["model"]][0], tiny=int(cfg["tiny"]),
                 dtype=str(model.dtype).removeprefix("torch."), layers=model.config.num_hidden_layers,
@@ -411,6 +493,7 @@ def worker(cfg: dict) -> None:
             step = compiled()
         tilecompile.reset()
         graphs_before = counters["stats"]["unique_graphs"]
+        mark = len(memory_trace()) if snapshot else 0  # an OOM's trace: from this length's start
         try:
             batch = inputs(n, model.config.vocab_size, cfg["packed"], device, rows, cfg.get("mask", ""))
             tokens = real_tokens(rows, n, batch[4])
@@ -425,7 +508,9 @@ def worker(cfg: dict) -> None:
                 _reset_host_peak()  # pinned host memory: offloaded checkpoints
             times, loss = [], 0.0
             syncs = _host_syncs()
-            for _ in range(cfg["repeats"]):
+            for i in range(cfg["repeats"]):
+                if snapshot and i == cfg["repeats"] - 1:
+                    mark = len(memory_trace())
                 seconds, loss = run(step, batch)
                 times.append(seconds)
             syncs = (_host_syncs() - syncs) / cfg["repeats"]
@@ -443,6 +528,8 @@ def worker(cfg: dict) -> None:
                        host_gib=_host_peak_gib() if cuda else "")  # fmt: skip
         except Exception as exc:  # an OOM ends the doubling (next_length: then the search)
             row.update(ok=0, error="OOM" if _is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:300]}")
+        if snapshot:
+            write_snapshot(snapshot, row, live_at_peak(memory_trace(), mark))
         errors[n] = row.get("error", "")
         print(ROW + json.dumps(row), flush=True)
         del batch
@@ -476,6 +563,12 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="one timed step per length (repeats 1), noted in the row")
     ap.add_argument("--profile", type=int, default=0, help="after the timed steps, the K costliest kernels of one")
     ap.add_argument("--note", default="", help="free text for the rows' note column")
+    ap.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="what is live at each length's peak, by origin (the CUDA "
+        "allocator's trace of the last timed step, or of a failed attempt), to the CSV's .snapshot.jsonl",
+    )
     ap.add_argument("--budget", type=float, default=0, help="wall seconds for this whole run (0: none): the worker "
                     "running when they are spent is stopped, its length gets a 'cut by --budget' row; the rest is "
                     "skipped")  # fmt: skip
@@ -516,7 +609,8 @@ def main() -> None:
                            layers=args.layers, dynamic=args.dynamic, packed=args.packed,
                            repeats=1 if args.probe else args.repeats, inner=args.inner, warm_cache=args.warm_cache,
                            device=args.device, rows=rows_per_batch, mask=mask, env=args.env, search=args.search,
-                           peak_tflops=args.peak_tflops, note=note, profile=args.profile)  # fmt: skip
+                           peak_tflops=args.peak_tflops, note=note, profile=args.profile,
+                           snapshot=str(out.with_suffix(".snapshot.jsonl")) if args.snapshot else "")  # fmt: skip
                 if deadline is not None and time.monotonic() >= deadline:
                     print(
                         f"{method:<12} ckpt={int(ckpt == 'on')} skipped: --budget {args.budget:g} s spent", flush=True

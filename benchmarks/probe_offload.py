@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import linecache
-import os
 import time
 
 import torch
 import transformers
+from e2e import live_at_peak, memory_trace, record_memory_history
 
 import tilecompile
 
@@ -52,7 +51,7 @@ def run(options: dict, args: argparse.Namespace, ids: torch.Tensor) -> dict:
     tilecompile.reset()
     torch._dynamo.reset()
     if args.snapshot:  # from before the model is built, so what a step starts with has its origin too
-        torch.cuda.memory._record_memory_history(max_entries=_MAX_ENTRIES, stacks="python")
+        record_memory_history()
     model = build(args.layers)
     f = torch.compile(step, backend="tilecompile", options=options)
     loss = f(model, ids)
@@ -67,7 +66,7 @@ def run(options: dict, args: argparse.Namespace, ids: torch.Tensor) -> dict:
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
         if args.snapshot and r == args.repeats - 1:
-            mark = len(_trace(torch.cuda.memory._snapshot()))
+            mark = len(memory_trace())
         t = time.perf_counter()
         f(model, ids).backward()
         torch.cuda.synchronize()
@@ -75,7 +74,7 @@ def run(options: dict, args: argparse.Namespace, ids: torch.Tensor) -> dict:
         repeats.append([round(start / 2**30, 3), round(torch.cuda.max_memory_allocated() / 2**30, 3)])
     at_peak = None
     if args.snapshot:
-        at_peak = live_at_peak(_trace(torch.cuda.memory._snapshot()), mark)
+        at_peak = live_at_peak(memory_trace(), mark)
         torch.cuda.memory._record_memory_history(enabled=None)
     host = offload.host_stats()
     report = tilecompile.report()
@@ -86,67 +85,6 @@ def run(options: dict, args: argparse.Namespace, ids: torch.Tensor) -> dict:
             "peak_gib": max(p for _, p in repeats), "repeats_start_peak_gib": repeats, "host_peak_bytes": host["peak"],
             "host_held_bytes": host["held"], "inputs_bytes": exact if options.get("offload") == "all" else 0,
             "plan": plan, **({"at_peak": at_peak} if at_peak is not None else {})}  # fmt: skip
-
-
-_MAX_ENTRIES = 2_000_000
-
-
-def _trace(snapshot: dict) -> list[dict]:
-    trace = snapshot["device_traces"][torch.cuda.current_device()]
-    assert len(trace) < _MAX_ENTRIES, "the allocator's trace wrapped; raise _MAX_ENTRIES"
-    return trace
-
-
-def _origin(frames: list[dict]) -> str:
-    """The innermost frame outside torch's own Python files (Inductor's generated code is outside them), with its
-    source line."""
-    torch_dir = os.path.dirname(torch.__file__)
-    for fr in frames:
-        name = fr.get("filename", "")
-        if name.startswith(torch_dir) and "torchinductor" not in name:
-            continue
-        text = linecache.getline(name, fr.get("line", 0)).strip()
-        return f"{os.path.basename(name)}:{fr.get('line')}:{fr.get('name')}: {text[:110]}"
-    return "(torch only) " + (f"{frames[0].get('name')}" if frames else "")
-
-
-def live_at_peak(trace: list[dict], mark: int, top: int = 14) -> dict:
-    """Replays the allocator's trace (allocated bytes fall at a free's request, as ``max_memory_allocated``'s do):
-    what is live at entry ``mark`` (the last step's start: weights, grads, whatever a step keeps for the next), the
-    step's peak after it, and the allocations live then, by origin, largest first."""
-
-    def replay(upto: int, after: int) -> tuple[dict[int, tuple[int, list]], int, int]:
-        """The allocations live after entry ``upto``, and (the peak, its entry) between ``after`` and there."""
-        live: dict[int, tuple[int, list]] = {}
-        now = best = at = 0
-        for i, e in enumerate(trace[: upto + 1]):
-            if e["action"] == "alloc":
-                live[e["addr"]] = (e["size"], e.get("frames", []))
-                now += e["size"]
-                if i >= after and now > best:
-                    best, at = now, i
-            elif e["action"] == "free_requested" and e["addr"] in live:
-                now -= live.pop(e["addr"])[0]
-        return live, best, at
-
-    def by_origin(live: dict[int, tuple[int, list]]) -> list[str]:
-        groups: dict[str, list[int]] = {}
-        for size, frames in live.values():
-            g = groups.setdefault(_origin(frames), [0, 0])
-            g[0] += size
-            g[1] += 1
-        rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
-        return [f"{b / 2**20:9.1f} MiB x{n:<3d} {origin}" for origin, (b, n) in rows]
-
-    at_start = replay(mark - 1, len(trace))[0] if mark else {}
-    _, best, at = replay(len(trace) - 1, mark)
-    at_best = replay(at, len(trace))[0]  # a second pass to the peak's entry: no copy of the live set at every new peak
-    return {
-        "start_gib": round(sum(size for size, _ in at_start.values()) / 2**30, 3),
-        "traced_peak_gib": round(best / 2**30, 3),  # what was live at the step's peak, the start's bytes included
-        "at_start": by_origin(at_start),
-        "by_origin": by_origin(at_best),
-    }
 
 
 # Inductor's reorder_for_peak_memory is on by default for graphs without regions (the backend turns it off for graphs

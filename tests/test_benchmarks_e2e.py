@@ -201,3 +201,25 @@ def test_budget_skips_the_methods_after_the_cut(tmp_path):
     assert "tilecompile  ckpt=1 skipped: --budget 0.5 s spent" in run.stdout
     _, rows = _read(out)
     assert [(r["method"], r["ok"], r["error"]) for r in rows] == [("eager", "0", "cut by --budget")]
+
+
+def test_live_at_peak_replays_the_allocators_trace():
+    """--snapshot's replay: the start's live set, the peak after the mark, and what is live at it by origin."""
+    M = 2**20
+    here = {"filename": __file__, "line": 1, "name": "f"}
+    trace = [
+        dict(action="alloc", addr=1, size=100 * M, frames=[here]),  # before the mark: live at the start
+        dict(action="alloc", addr=2, size=50 * M, frames=[here]),
+        dict(action="free_requested", addr=2, size=50 * M),
+        dict(action="alloc", addr=3, size=400 * M, frames=[here]),  # the mark: the step starts here
+        dict(action="alloc", addr=4, size=300 * M, frames=[{"filename": "other.py", "line": 9, "name": "g"}]),
+        dict(action="free_requested", addr=3, size=400 * M),
+        dict(action="alloc", addr=5, size=200 * M, frames=[here]),
+        dict(action="free_requested", addr=99, size=7 * M),  # allocated before the trace began: not counted
+    ]
+    got = e2e.live_at_peak(trace, 3)
+    assert got["start_gib"] == round(100 * M / 2**30, 3)
+    assert got["traced_peak_gib"] == round(800 * M / 2**30, 3)  # 100 + 400 + 300, before the 400 is freed
+    sizes = sorted(float(line.split()[0]) for line in got["by_origin"])
+    assert sizes == [300.0, 500.0]  # this file's 100 + 400, other.py's 300
+    assert any("other.py:9:g" in line for line in got["by_origin"])
