@@ -8,7 +8,9 @@
 #   and 32k with the tiled step's 14 costliest kernels, and the op at the budget's chunk (about 7 minutes on an H100);
 #   default: the rows check, the default step against the experts left alone at 8k and 32k (about 3.5 minutes);
 #   accept: issue 42's step rows in one call: default, default with 1 GiB chunks, left alone (again at 32k, last),
-#   Inductor at 8k, 32k and (on a card with more than 100 GiB) 64k (about 8 minutes on an H100)
+#   Inductor at 8k, 32k and (on a card with more than 100 GiB) 64k (about 6 minutes on an H100);
+#   chunks: at 32k, the experts' chunk budget at 512 and 768 MiB between two left-alone runs, then the op alone at the
+#   matching chunk rows (about 5 minutes)
 set -u
 out=${1:?OUTDIR}
 part=${2:-all}
@@ -38,6 +40,15 @@ e2e --methods tilecompile --lengths 32768 --repeats 3 --env TILECOMPILE_MEMORY_B
 big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "$big" -gt 100000 ]; then lens=8192,32768,65536; else lens=8192,32768; fi
 e2e --methods inductor --lengths $lens --budget 200
+exit 0
+fi
+if [ "$part" = chunks ]; then
+e2e --methods tilecompile --lengths 32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone" --budget 70
+for mb in 512 768; do
+e2e --methods tilecompile --lengths 32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_CHUNK_BUDGET_MB=$mb --note "default, chunks of $mb MiB" --budget 70
+done
+e2e --methods tilecompile --lengths 32768 --repeats 3 --env TILECOMPILE_MEMORY_BUDGET=0,TILECOMPILE_MLP_EXPERTS=0 --note "experts left alone, after" --budget 70
+timeout 100 python3 benchmarks/bench_moe_op.py --repeats 5 --memory-tokens "" --no-loop --chunks 0,87296,131072,262144 --csv "$out/moe_op.csv" 2>&1 | grep -v "^W1\|Warning" | tail -12
 exit 0
 fi
 if [ "$part" = profile ]; then
