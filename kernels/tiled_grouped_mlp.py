@@ -44,6 +44,8 @@ The same math in plain PyTorch (the CPU implementation and the kernels' referenc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -195,34 +197,39 @@ if HAS_TRITON:
     @triton.jit
     def _grouped_wgrad_kernel(
         a_ptr, b_ptr, grad_ptr, carry_ptr, offs_ptr, K, N, per_expert, stride_a, stride_b, start, stop, rows, slot_in,
-        slot_out, LAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        slot_out, experts, LAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     ):  # fmt: skip
-        # grid (tiles of [K, N], experts); a and b hold the chunk's rows only (row start..stop-1 is a's row 0..)
-        e = tl.program_id(1)
+        # persistent: program p takes the (expert, [K, N] tile) items p, p + P, ... (P programs, about one an SM). A
+        # chunk holds a few experts' rows; the other experts' items cost two loads each here, where a grid of
+        # (tiles, experts) launched a block for each of them; a and b hold the chunk's rows only (row start..stop-1
+        # is a's row 0..)
         tiles_n = tl.cdiv(N, BLOCK_N)
-        pk, pn = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
-        hi = tl.minimum(tl.load(offs_ptr + e), rows)
-        lo = tl.minimum(tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0), rows)
-        r0, r1 = tl.maximum(lo, start) - start, tl.minimum(hi, stop) - start
-        present = r0 < r1
-        empty = hi <= lo
-        if present | (LAST & empty):
-            ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
-            ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-            # an empty expert's loop runs no step (r0 >= r1): its grad is the zeros
-            for r in range(r0, r1, BLOCK_R):
-                rs = r + tl.arange(0, BLOCK_R)
-                in_rows = rs < r1  # the expert's last rows: the next expert's are not its own
-                a = tl.load(a_ptr + rs.to(tl.int64)[:, None] * stride_a + ks[None, :],
-                            mask=in_rows[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
-                b = tl.load(b_ptr + rs.to(tl.int64)[:, None] * stride_b + ns[None, :],
-                            mask=in_rows[:, None] & (ns[None, :] < N), other=0.0)  # fmt: skip
-                acc += tl.dot(tl.trans(a), b)
-            tile = ks.to(tl.int64)[:, None] * N + ns[None, :]
-            inside = (ks[:, None] < K) & (ns[None, :] < N)
-            _carry_store(acc, grad_ptr, carry_ptr, e, per_expert, tile, inside, slot_in, slot_out,
-                         present & (lo < start), present & (hi > stop))  # fmt: skip
+        tiles = tl.cdiv(K, BLOCK_K) * tiles_n
+        for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
+            e = item // tiles
+            pk, pn = (item % tiles) // tiles_n, (item % tiles) % tiles_n
+            hi = tl.minimum(tl.load(offs_ptr + e), rows)
+            lo = tl.minimum(tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0), rows)
+            r0, r1 = tl.maximum(lo, start) - start, tl.minimum(hi, stop) - start
+            present = r0 < r1
+            empty = hi <= lo
+            if present | (LAST & empty):
+                ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+                ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+                acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+                # an empty expert's loop runs no step (r0 >= r1): its grad is the zeros
+                for r in range(r0, r1, BLOCK_R):
+                    rs = r + tl.arange(0, BLOCK_R)
+                    in_rows = rs < r1  # the expert's last rows: the next expert's are not its own
+                    a = tl.load(a_ptr + rs.to(tl.int64)[:, None] * stride_a + ks[None, :],
+                                mask=in_rows[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
+                    b = tl.load(b_ptr + rs.to(tl.int64)[:, None] * stride_b + ns[None, :],
+                                mask=in_rows[:, None] & (ns[None, :] < N), other=0.0)  # fmt: skip
+                    acc += tl.dot(tl.trans(a), b)
+                tile = ks.to(tl.int64)[:, None] * N + ns[None, :]
+                inside = (ks[:, None] < K) & (ns[None, :] < N)
+                _carry_store(acc, grad_ptr, carry_ptr, e, per_expert, tile, inside, slot_in, slot_out,
+                             present & (lo < start), present & (hi > stop))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -327,6 +334,15 @@ def carry_accumulate(grad: Tensor, carry: Tensor, part: Tensor, offsets: Tensor,
 
 
 # one config for Hopper-class GPUs (bf16 tensor cores; measured in benchmarks/bench_moe_op.py)
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """grouped_wgrad's persistent programs: one an SM (its blocks' shared memory fits one at a time); 3 under the
+    interpreter, so that its tests see programs take several items."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _WGRAD = dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3)
 
 
@@ -344,8 +360,8 @@ def grouped_wgrad(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Te
         raise ValueError("tiled_grouped_mlp kernels: offsets must be [E] int32, a and b one dtype")
     if experts and k and n:
         cfg = _WGRAD
-        grid = (triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"]), experts)
-        _grouped_wgrad_kernel[grid](
+        items = triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"]) * experts
+        _grouped_wgrad_kernel[(min(items, _programs(a.device)),)](
             a, b, grad, carry, offsets, k, n, k * n, a.stride(0), b.stride(0), start, stop, rows, (index + 1) % 2,
-            index % 2, LAST=last, **cfg,
+            index % 2, experts, LAST=last, **cfg,
         )  # fmt: skip
