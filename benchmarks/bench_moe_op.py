@@ -235,6 +235,20 @@ def main() -> None:
             grad_err=err,
             note="chunk from mlp_chunk_budget_mb=256" if chunk == 0 else "",
         )
+    if device.type == "cuda":  # grouped_wgrad as it was before it went persistent: a block for every (expert, tile)
+        from tilecompile.kernels import tiled_grouped_mlp as kernels
+
+        persistent = kernels._programs
+        kernels._programs = lambda _device: 1 << 30
+        try:
+            with op_kernels(True):
+                ms, gib = measure(step_tiled, data, {}, args.repeats)
+                err = grad_err({})
+        finally:
+            kernels._programs = persistent
+        row(method="tiled_grid", tokens=tokens, rows=rows, chunk=grouped_op._chunk(rows, args.inter, torch.bfloat16,
+            0, 256), grad_accum="fp32", **speed(unit, ms, base_ms, 22), peak_extra_gib=round(gib, 3), grad_err=err,
+            note="grouped_wgrad with a block for every (expert, tile), as before f18a449")  # fmt: skip
     with op_kernels(False):  # before the kernels: grouped_mm's part and the carry, the rows by torch.where
         ms, gib = measure(step_tiled, data, {}, args.repeats)
         err = grad_err({})
