@@ -23,7 +23,9 @@ bit for bit, in 2·K·N elements instead of E·K·N.
 ``_grouped_wgrad_kernel`` is the same scheme with the chunk's weight-grad GEMM in it: for each expert with rows
 in the chunk, ``aᵀ b`` over those rows (a [rows, K], b [rows, N], the chunk's), summed in fp32 in registers, the
 carry added and the result stored as above. No [E, K, N] part is written: a chunk costs the GEMM of the experts it
-has, where ``grouped_mm`` writes every expert's grad (zeros for the rest) for the carry to read back.
+has, where ``grouped_mm`` writes every expert's grad (zeros for the rest) for the carry to read back. It is
+persistent (one program an SM takes the (expert, tile) items in turn): a chunk holds a few of the experts, and a
+block launched for each absent expert's tiles cost 0.9 ms of the op's 20.0 at Qwen3-30B-A3B's shape on the H100.
 
 ``_tiled_grouped_mlp_bwd_weighted_kernel`` is the backward kernel with HF's routing weight ``w[r]`` (the op's
 ``row_weight``, ``y = (h Wd) * w``) in it: ``dh`` comes in as the grad of ``h Wd`` unscaled (``grouped_mm(dy,
