@@ -563,12 +563,9 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="one timed step per length (repeats 1), noted in the row")
     ap.add_argument("--profile", type=int, default=0, help="after the timed steps, the K costliest kernels of one")
     ap.add_argument("--note", default="", help="free text for the rows' note column")
-    ap.add_argument(
-        "--snapshot",
-        action="store_true",
-        help="what is live at each length's peak, by origin (the CUDA "
-        "allocator's trace of the last timed step, or of a failed attempt), to the CSV's .snapshot.jsonl",
-    )
+    ap.add_argument("--snapshot", action="store_true", help="what is live at each length's peak, by origin (the "
+                    "CUDA allocator's trace of the last timed step, or of a failed attempt), to the CSV's "
+                    ".snapshot.jsonl")  # fmt: skip
     ap.add_argument("--budget", type=float, default=0, help="wall seconds for this whole run (0: none): the worker "
                     "running when they are spent is stopped, its length gets a 'cut by --budget' row; the rest is "
                     "skipped")  # fmt: skip
