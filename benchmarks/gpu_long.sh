@@ -2,7 +2,7 @@
 # Issue 43, one device call (about 9 minutes on an H200): the offload probe (offloaded layers in regions against flat,
 # against the device plans), the offload's peak and speed at 64k (8B, 8 layers), then the long probes with every
 # checkpointed input offloaded, layers cut (projected in RESULTS.md).
-# usage (on the device, repo root): bash benchmarks/gpu_long.sh OUTDIR [short|long|all]
+# usage (on the device, repo root): bash benchmarks/gpu_long.sh OUTDIR [short|long|all|mid]
 #   short: the probe and 64k (fits an H100, about 4.5 minutes); long: the two long probes (an H200's memory; the 8B's
 #   with what is live at its peak by origin, e2e.py --snapshot, in e2e_long.snapshot.jsonl); all: both;
 #   mid: the 8B (2 layers) at 384k on the device and offloaded, each with its snapshot (fits an H100, about 4 minutes)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 42, one device call: the Qwen3-30B-A3B step (4 of 48 layers, checkpointing on) with the experts left alone
 # against tiled, no memory plan for either, Inductor's step at 32k in the same call, then the op alone.
-# usage (on the device, repo root): bash benchmarks/gpu_moe.sh OUTDIR [all|step|op|memory|profile|default]
+# usage (on the device, repo root): bash benchmarks/gpu_moe.sh OUTDIR [all|step|op|memory|profile|default|accept|chunks]
 #   step: the three step runs (about 4 minutes on an H100); op: bench_moe_op.py alone with its kernel profile (about
 #   1.5 minutes); memory: checkpointing off at 16k (tiled, left alone, Inductor) and Inductor at 8k (about 4 minutes);
 #   all: step and op; profile: the rows check (forward and the weighted backward), the step left alone and tiled at 8k
