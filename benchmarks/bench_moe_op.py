@@ -115,28 +115,31 @@ def op_kernels(on: bool):
         grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL = saved
 
 
-WGRAD_CONFIGS = [  # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages)
-    (128, 128, 64, 8, 3),
-    (128, 128, 64, 4, 3),
-    (128, 128, 32, 8, 4),
-    (128, 128, 128, 8, 3),
-    (128, 256, 64, 8, 3),
-    (256, 128, 64, 8, 3),
-    (64, 128, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-    (128, 128, 64, 8, 4),
-    (128, 256, 32, 8, 4),
+WGRAD_CONFIGS = [  # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages, loads through tensor descriptors)
+    (128, 256, 64, 8, 3, False),  # the default's
+    (128, 128, 64, 8, 4, False),
+    (128, 256, 64, 8, 3, True),
+    (128, 256, 64, 8, 4, True),
+    (128, 256, 32, 8, 4, True),
+    (128, 128, 64, 8, 4, True),
+    (128, 128, 64, 4, 4, True),
+    (256, 128, 64, 8, 3, True),
+    (64, 256, 64, 4, 4, True),
+    (128, 128, 128, 8, 3, True),
 ]
+_CFG_KEYS = ("BLOCK_K", "BLOCK_N", "BLOCK_R", "num_warps", "num_stages")
 
 
 def wgrad_sweep(data, inter: int, repeats: int = 10) -> None:
-    """One chunk's weight grads at the budget's chunk (the op's middle chunk): grouped_wgrad per block config against
-    grouped_mm's [E, K, N] part alone, for the gate's (x, dg: K = D, N = I) and the down's (h, dy: K = I, N = D)."""
+    """One chunk's weight grads at the budget's chunk (the op's second chunk, an expert crossing each edge):
+    grouped_wgrad per block config and load (pointers or tensor descriptors), with an fp32 carry and, for each
+    load's first config, a bf16 one (``grad_accum="param"``), against grouped_mm's [E, K, N] part alone, for the
+    gate's (x, dg: K = D, N = I) and the down's (h, dy: K = I, N = D)."""
     from tilecompile.kernels import tiled_grouped_mlp as kernels
 
     x, _, _, offsets, dy = data
     n, d = x.shape
-    chunk = grouped_op._chunk(n, inter, x.dtype, 0, 256)
+    chunk = grouped_op._grouped_chunk(n, inter, x.dtype, 0, 256)
     s, t = chunk, min(2 * chunk, n)
     offs = offsets.to(torch.int32)
     local = (offs - s).clamp(0, t - s)
@@ -146,23 +149,28 @@ def wgrad_sweep(data, inter: int, repeats: int = 10) -> None:
         "down (K=I, N=D)": (torch.randn(t - s, inter, device=x.device, dtype=x.dtype), dy[s:t], inter, d),
     }
 
-    default = dict(kernels._WGRAD)
+    default, tma = dict(kernels._WGRAD), kernels.USE_TMA
     for name, (a, b, k, width) in cases.items():
         grad = torch.empty(experts, k, width, device=x.device, dtype=x.dtype)
-        carry = torch.empty(2, k, width, device=x.device, dtype=torch.float32)
         flops = 2 * (t - s) * k * width
         ms = measure(torch._grouped_mm, (a.t(), b, local), {}, repeats)[0]
         print(f"-- wgrad {name}, rows {s}:{t}: grouped_mm's part {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)",
               flush=True)  # fmt: skip
+        seen = set()
         for cfg in WGRAD_CONFIGS:
-            kernels._WGRAD = dict(zip(("BLOCK_K", "BLOCK_N", "BLOCK_R", "num_warps", "num_stages"), cfg))
-            try:
-                ms = measure(kernels.grouped_wgrad, (grad, carry, a, b, offs, s, t, n, 1, False), {}, repeats)[0]
-                print(f"   {cfg}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
-            except Exception as exc:  # a config past the shared memory of this GPU
-                print(f"   {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
-            finally:
-                kernels._WGRAD = default
+            carries = [torch.float32] + ([torch.bfloat16] if cfg[5] not in seen else [])
+            seen.add(cfg[5])
+            for carry_dtype in carries:
+                kernels._WGRAD, kernels.USE_TMA = dict(zip(_CFG_KEYS, cfg[:5])), cfg[5]
+                carry = torch.empty(2, k, width, device=x.device, dtype=carry_dtype)
+                label = f"{cfg[:5]} {'tma' if cfg[5] else 'pointers'} carry {str(carry_dtype)[6:]}"
+                try:
+                    ms = measure(kernels.grouped_wgrad, (grad, carry, a, b, offs, s, t, n, 1, False), {}, repeats)[0]
+                    print(f"   {label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+                except Exception as exc:  # a config past the shared memory of this GPU, or a load it cannot take
+                    print(f"   {label}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+                finally:
+                    kernels._WGRAD, kernels.USE_TMA = default, tma
 
 
 def speed(unit: int, ms: float, base_ms: float, own: int) -> dict:
@@ -186,6 +194,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (small shapes)")
     ap.add_argument("--profile", action="store_true", help="the GPU kernels of one grouped_mm and one tiled step")
     ap.add_argument("--wgrad-sweep", action="store_true", help="grouped_wgrad's block configs on one chunk, alone")
+    ap.add_argument(
+        "--wgrad-loads",
+        default="both",
+        choices=("pointers", "tma", "both"),
+        help="the tiled rows' grouped_wgrad loads: pointer loads, tensor descriptors (TMA), or each",
+    )
+    ap.add_argument("--grid-row", action="store_true", help="the tiled_grid row (grouped_wgrad before f18a449)")
     args = ap.parse_args()
     device = torch.device(args.device)
     meta = dict(experts=args.experts, hidden=args.hidden, inter=args.inter, top_k=args.top_k, **versions(device))
@@ -218,26 +233,41 @@ def main() -> None:
         **speed(unit, base_ms, base_ms, 18),
         peak_extra_gib=round(base_gib, 3),
     )
-    variants = [(int(c), "fp32") for c in args.chunks.split(",") if c] + [(0, "param")]
-    for chunk, accum in variants:
-        with op_kernels(True):  # the tiled rows: weight grads by grouped_wgrad, rows by rows_out
-            ms, gib = measure(step_tiled, data, dict(chunk=chunk, grad_accum=accum), args.repeats)
-            err = grad_err(dict(chunk=chunk, grad_accum=accum))
-        auto = grouped_op._chunk(rows, args.inter, torch.bfloat16, chunk, 256)
-        row(
-            method="tiled",
-            tokens=tokens,
-            rows=rows,
-            chunk=auto,
-            grad_accum=accum,
-            **speed(unit, ms, base_ms, 22),
-            peak_extra_gib=round(gib, 3),
-            grad_err=err,
-            note="chunk from mlp_chunk_budget_mb=256" if chunk == 0 else "",
-        )
-    if device.type == "cuda":  # grouped_wgrad as it was before it went persistent: a block for every (expert, tile)
-        from tilecompile.kernels import tiled_grouped_mlp as kernels
+    from tilecompile.kernels import tiled_grouped_mlp as kernels
 
+    variants = [(int(c), "fp32") for c in args.chunks.split(",") if c] + [(0, "param")]
+    loads = {"pointers": [False], "tma": [True], "both": [False, True]}[args.wgrad_loads]
+    for chunk, accum in variants:
+        for tma in loads:
+            kernels.USE_TMA, default_tma = tma, kernels.USE_TMA
+            try:
+                with op_kernels(True):  # the tiled rows: weight grads by grouped_wgrad, rows by rows_out
+                    ms, gib = measure(step_tiled, data, dict(chunk=chunk, grad_accum=accum), args.repeats)
+                    err = grad_err(dict(chunk=chunk, grad_accum=accum))
+                ran = kernels.tma_runs(device) and grouped_op.wgrad_kernel_runs(device)
+            except Exception as exc:  # the descriptor loads on a Triton or GPU that cannot take them: said, not fatal
+                if not tma:
+                    raise
+                print(f"tiled chunk={chunk} {accum} with tensor descriptors failed: {type(exc).__name__}: "
+                      f"{str(exc)[:300]}", flush=True)  # fmt: skip
+                continue
+            finally:
+                kernels.USE_TMA = default_tma
+            auto = grouped_op._grouped_chunk(rows, args.inter, torch.bfloat16, chunk, 256)
+            notes = ["chunk from mlp_chunk_budget_mb=256 (split evenly)" if chunk == 0 else ""]
+            notes.append(f"grouped_wgrad loads: {'tensor descriptors' if ran else 'pointers'}")
+            row(
+                method="tiled",
+                tokens=tokens,
+                rows=rows,
+                chunk=auto,
+                grad_accum=accum,
+                **speed(unit, ms, base_ms, 22),
+                peak_extra_gib=round(gib, 3),
+                grad_err=err,
+                note="; ".join(n for n in notes if n),
+            )
+    if device.type == "cuda" and args.grid_row:  # grouped_wgrad before it went persistent: a block an (expert, tile)
         persistent = kernels._programs
         kernels._programs = lambda _device: 1 << 30
         try:
@@ -246,8 +276,9 @@ def main() -> None:
                 err = grad_err({})
         finally:
             kernels._programs = persistent
-        row(method="tiled_grid", tokens=tokens, rows=rows, chunk=grouped_op._chunk(rows, args.inter, torch.bfloat16,
-            0, 256), grad_accum="fp32", **speed(unit, ms, base_ms, 22), peak_extra_gib=round(gib, 3), grad_err=err,
+        budget_chunk = grouped_op._grouped_chunk(rows, args.inter, torch.bfloat16, 0, 256)
+        row(method="tiled_grid", tokens=tokens, rows=rows, chunk=budget_chunk, grad_accum="fp32",
+            **speed(unit, ms, base_ms, 22), peak_extra_gib=round(gib, 3), grad_err=err,
             note="grouped_wgrad with a block for every (expert, tile), as before f18a449")  # fmt: skip
     with op_kernels(False):  # before the kernels: grouped_mm's part and the carry, the rows by torch.where
         ms, gib = measure(step_tiled, data, {}, args.repeats)
@@ -256,7 +287,7 @@ def main() -> None:
         method="tiled_part",
         tokens=tokens,
         rows=rows,
-        chunk=grouped_op._chunk(rows, args.inter, torch.bfloat16, 0, 256),
+        chunk=grouped_op._grouped_chunk(rows, args.inter, torch.bfloat16, 0, 256),
         grad_accum="fp32",
         **speed(unit, ms, base_ms, 22),
         peak_extra_gib=round(gib, 3),
@@ -304,7 +335,7 @@ def main() -> None:
         )
         for accum in ("fp32", "param"):
             ms, gib = measure(step_tiled, data, dict(grad_accum=accum), 3)
-            chunk = grouped_op._chunk(rows, args.inter, torch.bfloat16, 0, 256)
+            chunk = grouped_op._grouped_chunk(rows, args.inter, torch.bfloat16, 0, 256)
             row(
                 method="tiled",
                 tokens=n,

@@ -65,6 +65,7 @@ usage: python benchmarks/e2e.py [--models 1.5b,8b] [--methods eager,inductor,lig
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import csv
 import datetime
@@ -447,6 +448,20 @@ def write_snapshot(path: str, row: dict, at_peak: dict) -> None:
         print("snapshot   " + line)
 
 
+def set_switches(spec: str) -> None:
+    """``E2E_SET`` (through ``--env``): ``module.NAME=value[;...]``, a module switch of the project set in the
+    worker before the build (``tilecompile.kernels.tiled_grouped_mlp.USE_TMA=True``), for an A/B of a kernel path
+    that has no setting. The value is a Python literal; the switch must exist."""
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        target, value = item.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise SystemExit(f"E2E_SET: {module} has no {name}")
+        setattr(mod, name, ast.literal_eval(value))
+        print(f"E2E_SET {module}.{name} = {getattr(mod, name)!r}", flush=True)
+
+
 def worker(cfg: dict) -> None:
     """One (model, method, checkpointing) over every length (and ``--search``'s): ``TRY {json}`` before a length,
     ``ROW {json}`` after it."""
@@ -459,6 +474,7 @@ def worker(cfg: dict) -> None:
     torch._inductor.config.force_disable_caches = not cfg["warm_cache"]
     warnings.filterwarnings("ignore", "dynamo_pgo force disabled")  # the caches being off is the point
     method, dynamic = cfg["method"], cfg["dynamic"]
+    set_switches(os.environ.get("E2E_SET", ""))
     snapshot = cuda and cfg.get("snapshot", "")
     if snapshot:  # from before the build, so what a step starts with (the weights among it) has its origin too
         record_memory_history()

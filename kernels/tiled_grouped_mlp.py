@@ -233,6 +233,42 @@ if HAS_TRITON:
                 _carry_store(acc, grad_ptr, carry_ptr, e, per_expert, tile, inside, slot_in, slot_out,
                              present & (lo < start), present & (hi > stop))  # fmt: skip
 
+    @triton.jit
+    def _grouped_wgrad_tma_kernel(
+        a_ptr, b_ptr, grad_ptr, carry_ptr, offs_ptr, K, N, per_expert, stride_a, stride_b, start, stop, rows, slot_in,
+        slot_out, experts, LAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        # _grouped_wgrad_kernel with the row tiles loaded through tensor descriptors (TMA on Hopper): each item's
+        # descriptors span its expert's rows only, so the copy engine zero-fills the rows past them (the next
+        # expert's) where the pointer loads took a mask per element
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tiles = tl.cdiv(K, BLOCK_K) * tiles_n
+        for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
+            e = item // tiles
+            pk, pn = (item % tiles) // tiles_n, (item % tiles) % tiles_n
+            hi = tl.minimum(tl.load(offs_ptr + e), rows)
+            lo = tl.minimum(tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0), rows)
+            r0, r1 = tl.maximum(lo, start) - start, tl.minimum(hi, stop) - start
+            present = r0 < r1
+            empty = hi <= lo
+            if present | (LAST & empty):
+                count = tl.maximum(r1 - r0, 1)  # an empty expert's descriptors are made, never read
+                a_rows = tl.make_tensor_descriptor(a_ptr + r0.to(tl.int64) * stride_a, shape=[count, K],
+                                                   strides=[stride_a, 1], block_shape=[BLOCK_R, BLOCK_K])  # fmt: skip
+                b_rows = tl.make_tensor_descriptor(b_ptr + r0.to(tl.int64) * stride_b, shape=[count, N],
+                                                   strides=[stride_b, 1], block_shape=[BLOCK_R, BLOCK_N])  # fmt: skip
+                acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+                for r in range(0, r1 - r0, BLOCK_R):
+                    a = a_rows.load([r, pk * BLOCK_K])
+                    b = b_rows.load([r, pn * BLOCK_N])
+                    acc += tl.dot(tl.trans(a), b)
+                ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+                ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+                tile = ks.to(tl.int64)[:, None] * N + ns[None, :]
+                inside = (ks[:, None] < K) & (ns[None, :] < N)
+                _carry_store(acc, grad_ptr, carry_ptr, e, per_expert, tile, inside, slot_in, slot_out,
+                             present & (lo < start), present & (hi > stop))  # fmt: skip
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # launchers
@@ -346,6 +382,32 @@ def _programs(device: torch.device) -> int:
 
 
 _WGRAD = dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3)
+# the row tiles through tensor descriptors (_grouped_wgrad_tma_kernel) where the GPU has TMA (sm_90+) and Triton
+# makes descriptors on the device; off until its GPU run (benchmarks/bench_moe_op.py --wgrad-sweep)
+USE_TMA = False
+
+
+def tma_runs(device: torch.device) -> bool:
+    """Whether grouped_wgrad loads through tensor descriptors on ``device`` (always under the interpreter)."""
+    if not (USE_TMA and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_aligned(t: Tensor) -> bool:
+    """A descriptor's start and row stride must be multiples of 16 bytes; each expert's starts at a row of ``t``."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def _scratch(device: torch.device):
+    """Triton's allocator for the descriptors a kernel makes on the device: a torch buffer on ``device``. Set at
+    each launch, as Inductor's launcher does: the allocator is a context variable, and autograd runs the backward in
+    threads of its own."""
+
+    def alloc(size: int, alignment: int, stream) -> Tensor:
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    return alloc
 
 
 def grouped_wgrad(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Tensor, start: int, stop: int,
@@ -363,7 +425,11 @@ def grouped_wgrad(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Te
     if experts and k and n:
         cfg = _WGRAD
         items = triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"]) * experts
-        _grouped_wgrad_kernel[(min(items, _programs(a.device)),)](
+        kernel = _grouped_wgrad_kernel
+        if tma_runs(a.device) and all(_tma_aligned(t) for t in (a, b)):
+            triton.set_allocator(_scratch(a.device))
+            kernel = _grouped_wgrad_tma_kernel
+        kernel[(min(items, _programs(a.device)),)](
             a, b, grad, carry, offsets, k, n, k * n, a.stride(0), b.stride(0), start, stop, rows, (index + 1) % 2,
             index % 2, experts, LAST=last, **cfg,
         )  # fmt: skip

@@ -441,6 +441,29 @@ _TRITON_WORKER = textwrap.dedent(
         worst = (grads[0].double() - exact).abs().max()
         assert torch.allclose(grads[0].double(), exact, rtol=4 * tol, atol=4 * tol), (dtype, carry_dtype, worst)
 
+    # the same through tensor descriptors (TMA's loads): each expert's rows in a descriptor of their own, zero-filled
+    # past them; starts and row strides 16-byte aligned, as the op's operands are (b a column slice at 16 bytes)
+    K.USE_TMA = True
+    assert K.tma_runs(torch.device("cpu"))
+    for dtype, carry_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32)):
+        a_all, b_all = torch.randn(40, 8).to(dtype), torch.randn(40, 24).to(dtype)
+        grads = [torch.full((7, 8, 8), float("nan"), dtype=dtype) for _ in range(2)]
+        carries = [torch.full((2, 8, 8), float("nan"), dtype=carry_dtype) for _ in range(2)]
+        for index, s in enumerate(range(0, 40, 8)):
+            args = (a_all[s:s + 8], b_all[s:s + 8, 8:16], offsets, s, s + 8, 40, index, index == 4)
+            assert all(K._tma_aligned(t) for t in args[:2])
+            K.grouped_wgrad(grads[0], carries[0], *args)
+            reference.grouped_wgrad_reference(grads[1], carries[1], *args)
+        tol = 1e-5 if dtype == torch.float32 else 5e-3
+        assert torch.allclose(grads[0].float(), grads[1].float(), rtol=tol, atol=tol), (dtype, carry_dtype,
+                                                                                  (grads[0] - grads[1]).abs().max())
+        exact = torch.zeros(7, 8, 8, dtype=torch.float64)
+        for e in range(7):
+            rows = slice(bounds[e], bounds[e + 1])
+            exact[e] = a_all[rows].double().t() @ b_all[rows, 8:16].double()
+        assert torch.allclose(grads[0].double(), exact, rtol=4 * tol, atol=4 * tol), (dtype, carry_dtype)
+    K.USE_TMA = False
+
     # a chunk's rows into the op's: times the row weight (fp32 and fp16), zero past offsets[-1], y with padded rows
     offs = torch.tensor([3, 9, 21], dtype=torch.int32)
     for dtype, w_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32),
@@ -472,8 +495,8 @@ _TRITON_WORKER = textwrap.dedent(
     row_weight = torch.rand(90, 1, generator=g, requires_grad=True)
     outs = []
     for stacked in (False, True):  # gate and up two views, or the stacked weight whole (its grad one wgrad GEMM)
-        for triton_on in (True, False):
-            op.USE_TRITON = triton_on
+        for triton_on, tma in ((True, False), (True, True), (False, False)):  # grouped_wgrad's two loads, reference
+            op.USE_TRITON, K.USE_TMA = triton_on, tma
             w = gate_up.transpose(-2, -1)
             gate, up = (w, None) if stacked else (w[..., :24], w[..., 24:])
             y = op.tiled_grouped_mlp(x, offsets, gate, up, down.transpose(-2, -1), chunk_tokens=16, row_mask=mask,
