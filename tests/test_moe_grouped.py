@@ -109,6 +109,25 @@ def test_grouped_path_equals_float64_reference(grouped_only, chunk, grad_accum, 
         assert not out[mask.squeeze(1)].any() and not ours[0][mask.squeeze(1)].any()
 
 
+def test_grouped_chunks_split_evenly():
+    """The budget's chunk count, split evenly: no sliver of a last chunk, never above the budget's chunk."""
+    from tilecompile.ops.tiled_mlp import chunk_size_for
+
+    # 32k tokens at top 8 (Qwen3-30B-A3B's I 768, bf16): six chunks of 43,648 and a seventh of 256 before
+    assert chunk_size_for(262144, 768, torch.bfloat16, 256) == 43648
+    assert grouped_op._grouped_chunk(262144, 768, torch.bfloat16, 0, 256) == 37504
+    assert grouped_op._grouped_chunk(65536, 768, torch.bfloat16, 0, 256) == 32768
+    assert grouped_op._grouped_chunk(262144, 768, torch.bfloat16, 5000, 256) == 5000  # chunk_tokens as given
+    for rows in [0, 1, 63, 64, 65, 1000, 43648, 43649, 87297, 262144, 300001]:
+        for inter, budget in ((768, 256), (768, 64), (4096, 16)):
+            most = chunk_size_for(rows, inter, torch.bfloat16, budget)
+            chunk = grouped_op._grouped_chunk(rows, inter, torch.bfloat16, 0, budget)
+            assert chunk % 64 == 0 and 64 <= chunk <= most, (rows, inter, budget, chunk, most)
+            assert -(-rows // chunk) == -(-rows // most), (rows, inter, budget)  # no more chunks than the budget's
+            if rows > chunk:  # the last chunk within 64 rows a chunk of the others
+                assert rows - (-(-rows // chunk) - 1) * chunk > chunk - 64 * -(-rows // chunk), (rows, chunk)
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 8, 40])
 @pytest.mark.parametrize(
     "dtype,grad_accum",
