@@ -26,6 +26,10 @@ carry added and the result stored as above. No [E, K, N] part is written: a chun
 has, where ``grouped_mm`` writes every expert's grad (zeros for the rest) for the carry to read back. It is
 persistent (one program an SM takes the (expert, tile) items in turn): a chunk holds a few of the experts, and a
 block launched for each absent expert's tiles cost 0.9 ms of the op's 20.0 at Qwen3-30B-A3B's shape on the H100.
+``_grouped_wgrad_tma_kernel`` is the same with the row tiles loaded through tensor descriptors (TMA on Hopper),
+one per item spanning its expert's rows, so the copy engine zero-fills past them instead of a mask per element. It
+runs under ``USE_TMA``, off until a GPU run measures it (``bash benchmarks/gpu_moe.sh OUT tma``); the interpreter
+test checks its grads.
 
 ``_tiled_grouped_mlp_bwd_weighted_kernel`` is the backward kernel with HF's routing weight ``w[r]`` (the op's
 ``row_weight``, ``y = (h Wd) * w``) in it: ``dh`` comes in as the grad of ``h Wd`` unscaled (``grouped_mm(dy,

@@ -53,7 +53,8 @@ Two paths, the same math:
 
 - the grouped path (``grouped_mm`` over token chunks, no host sync), where ``torch._grouped_mm`` takes the operands:
   bf16 on CUDA (fp32, bf16 and fp16 on CPU), every row and weight stride a multiple of 16 bytes. The rows are cut
-  into fixed chunks of ``chunk`` rows (their number is known from ``x``'s shape, not from the offsets); a chunk's
+  into fixed chunks of ``chunk`` rows (their number is known from ``x``'s shape, not from the offsets; from the
+  budget, as few as its chunk allows, split evenly: ``_grouped_chunk``); a chunk's
   offsets are ``clamp(offsets - start, 0, rows)``, computed on the device, so an expert whose rows cross a chunk
   edge is split between the two chunks' grouped GEMMs and no row count is read on the host. Per chunk, forward:
   ``gu = grouped_mm(xc, [Wg | Wu])`` [rows, 2I] (one GEMM when gate and up are the two halves of one stacked
