@@ -26,10 +26,9 @@ carry added and the result stored as above. No [E, K, N] part is written: a chun
 has, where ``grouped_mm`` writes every expert's grad (zeros for the rest) for the carry to read back. It is
 persistent (one program an SM takes the (expert, tile) items in turn): a chunk holds a few of the experts, and a
 block launched for each absent expert's tiles cost 0.9 ms of the op's 20.0 at Qwen3-30B-A3B's shape on the H100.
-``_grouped_wgrad_tma_kernel`` is the same with the row tiles loaded through tensor descriptors (TMA on Hopper),
-one per item spanning its expert's rows, so the copy engine zero-fills past them instead of a mask per element. It
-runs under ``USE_TMA``, off until a GPU run measures it (``bash benchmarks/gpu_moe.sh OUT tma``); the interpreter
-test checks its grads.
+With ``TMA`` it loads the row tiles through tensor descriptors (TMA on Hopper), one per item spanning its expert's
+rows, so the copy engine zero-fills past them instead of a mask per element. That runs under ``USE_TMA``, off until
+a GPU run measures it (``bash benchmarks/gpu_moe.sh OUT tma``); the interpreter test checks its grads.
 
 ``_tiled_grouped_mlp_bwd_weighted_kernel`` is the backward kernel with HF's routing weight ``w[r]`` (the op's
 ``row_weight``, ``y = (h Wd) * w``) in it: ``dh`` comes in as the grad of ``h Wd`` unscaled (``grouped_mm(dy,
@@ -203,12 +202,15 @@ if HAS_TRITON:
     @triton.jit
     def _grouped_wgrad_kernel(
         a_ptr, b_ptr, grad_ptr, carry_ptr, offs_ptr, K, N, per_expert, stride_a, stride_b, start, stop, rows, slot_in,
-        slot_out, experts, LAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        slot_out, experts, LAST: tl.constexpr, TMA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):  # fmt: skip
         # persistent: program p takes the (expert, [K, N] tile) items p, p + P, ... (P programs, about one an SM). A
         # chunk holds a few experts' rows; the other experts' items cost two loads each here, where a grid of
         # (tiles, experts) launched a block for each of them; a and b hold the chunk's rows only (row start..stop-1
-        # is a's row 0..)
+        # is a's row 0..). TMA: the row tiles through tensor descriptors (TMA on Hopper), an item's spanning its
+        # expert's rows only, so the copy engine zero-fills the rows past them (the next expert's) where the pointer
+        # loads take a mask per element
         tiles_n = tl.cdiv(N, BLOCK_N)
         tiles = tl.cdiv(K, BLOCK_K) * tiles_n
         for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
@@ -224,55 +226,36 @@ if HAS_TRITON:
                 ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)
                 acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
                 # an empty expert's loop runs no step (r0 >= r1): its grad is the zeros
-                for r in range(r0, r1, BLOCK_R):
-                    rs = r + tl.arange(0, BLOCK_R)
-                    in_rows = rs < r1  # the expert's last rows: the next expert's are not its own
-                    a = tl.load(a_ptr + rs.to(tl.int64)[:, None] * stride_a + ks[None, :],
-                                mask=in_rows[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
-                    b = tl.load(b_ptr + rs.to(tl.int64)[:, None] * stride_b + ns[None, :],
-                                mask=in_rows[:, None] & (ns[None, :] < N), other=0.0)  # fmt: skip
-                    acc += tl.dot(tl.trans(a), b)
+                if TMA:
+                    count = tl.maximum(r1 - r0, 1)  # an empty expert's descriptors are made, never read
+                    first = r0.to(tl.int64)
+                    a_rows = tl.make_tensor_descriptor(
+                        a_ptr + first * stride_a,
+                        shape=[count, K],
+                        strides=[stride_a, 1],
+                        block_shape=[BLOCK_R, BLOCK_K],
+                    )
+                    b_rows = tl.make_tensor_descriptor(
+                        b_ptr + first * stride_b,
+                        shape=[count, N],
+                        strides=[stride_b, 1],
+                        block_shape=[BLOCK_R, BLOCK_N],
+                    )
+                    for r in range(0, r1 - r0, BLOCK_R):
+                        acc += tl.dot(tl.trans(a_rows.load([r, pk * BLOCK_K])), b_rows.load([r, pn * BLOCK_N]))
+                else:
+                    for r in range(r0, r1, BLOCK_R):
+                        rs = r + tl.arange(0, BLOCK_R)
+                        in_rows = rs < r1  # the expert's last rows: the next expert's are not its own
+                        a = tl.load(a_ptr + rs.to(tl.int64)[:, None] * stride_a + ks[None, :],
+                                    mask=in_rows[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
+                        b = tl.load(b_ptr + rs.to(tl.int64)[:, None] * stride_b + ns[None, :],
+                                    mask=in_rows[:, None] & (ns[None, :] < N), other=0.0)  # fmt: skip
+                        acc += tl.dot(tl.trans(a), b)
                 tile = ks.to(tl.int64)[:, None] * N + ns[None, :]
                 inside = (ks[:, None] < K) & (ns[None, :] < N)
                 _carry_store(acc, grad_ptr, carry_ptr, e, per_expert, tile, inside, slot_in, slot_out,
                              present & (lo < start), present & (hi > stop))  # fmt: skip
-
-    @triton.jit
-    def _grouped_wgrad_tma_kernel(
-        a_ptr, b_ptr, grad_ptr, carry_ptr, offs_ptr, K, N, per_expert, stride_a, stride_b, start, stop, rows, slot_in,
-        slot_out, experts, LAST: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    ):  # fmt: skip
-        # _grouped_wgrad_kernel with the row tiles loaded through tensor descriptors (TMA on Hopper): each item's
-        # descriptors span its expert's rows only, so the copy engine zero-fills the rows past them (the next
-        # expert's) where the pointer loads took a mask per element
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        tiles = tl.cdiv(K, BLOCK_K) * tiles_n
-        for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
-            e = item // tiles
-            pk, pn = (item % tiles) // tiles_n, (item % tiles) % tiles_n
-            hi = tl.minimum(tl.load(offs_ptr + e), rows)
-            lo = tl.minimum(tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0), rows)
-            r0, r1 = tl.maximum(lo, start) - start, tl.minimum(hi, stop) - start
-            present = r0 < r1
-            empty = hi <= lo
-            if present | (LAST & empty):
-                count = tl.maximum(r1 - r0, 1)  # an empty expert's descriptors are made, never read
-                a_rows = tl.make_tensor_descriptor(a_ptr + r0.to(tl.int64) * stride_a, shape=[count, K],
-                                                   strides=[stride_a, 1], block_shape=[BLOCK_R, BLOCK_K])  # fmt: skip
-                b_rows = tl.make_tensor_descriptor(b_ptr + r0.to(tl.int64) * stride_b, shape=[count, N],
-                                                   strides=[stride_b, 1], block_shape=[BLOCK_R, BLOCK_N])  # fmt: skip
-                acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-                for r in range(0, r1 - r0, BLOCK_R):
-                    a = a_rows.load([r, pk * BLOCK_K])
-                    b = b_rows.load([r, pn * BLOCK_N])
-                    acc += tl.dot(tl.trans(a), b)
-                ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
-                ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-                tile = ks.to(tl.int64)[:, None] * N + ns[None, :]
-                inside = (ks[:, None] < K) & (ns[None, :] < N)
-                _carry_store(acc, grad_ptr, carry_ptr, e, per_expert, tile, inside, slot_in, slot_out,
-                             present & (lo < start), present & (hi > stop))  # fmt: skip
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # launchers
@@ -386,7 +369,7 @@ def _programs(device: torch.device) -> int:
 
 
 _WGRAD = dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3)
-# the row tiles through tensor descriptors (_grouped_wgrad_tma_kernel) where the GPU has TMA (sm_90+) and Triton
+# the row tiles through tensor descriptors (_grouped_wgrad_kernel's TMA) where the GPU has TMA (sm_90+) and Triton
 # makes descriptors on the device; off until its GPU run (benchmarks/bench_moe_op.py --wgrad-sweep)
 USE_TMA = False
 
@@ -429,11 +412,10 @@ def grouped_wgrad(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Te
     if experts and k and n:
         cfg = _WGRAD
         items = triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"]) * experts
-        kernel = _grouped_wgrad_kernel
-        if tma_runs(a.device) and all(_tma_aligned(t) for t in (a, b)):
+        tma = tma_runs(a.device) and all(_tma_aligned(t) for t in (a, b))
+        if tma:
             triton.set_allocator(_scratch(a.device))
-            kernel = _grouped_wgrad_tma_kernel
-        kernel[(min(items, _programs(a.device)),)](
+        _grouped_wgrad_kernel[(min(items, _programs(a.device)),)](
             a, b, grad, carry, offsets, k, n, k * n, a.stride(0), b.stride(0), start, stop, rows, (index + 1) % 2,
-            index % 2, experts, LAST=last, **cfg,
+            index % 2, experts, LAST=last, TMA=tma, **cfg,
         )  # fmt: skip
