@@ -104,15 +104,21 @@ def measure(fn, args, kw, repeats: int) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def op_kernels(on: bool):
-    """grouped_wgrad and rows_out both on (the tiled rows) or both off (tiled_part: the op before them), whatever
-    their defaults; the defaults again after."""
-    saved = grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL
-    grouped_op.USE_WGRAD_KERNEL = grouped_op.USE_ROWS_KERNEL = on
+def switched(module, **values):
+    """Module switches set to ``values``, whatever their defaults; the defaults again after."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
     try:
         yield
     finally:
-        grouped_op.USE_WGRAD_KERNEL, grouped_op.USE_ROWS_KERNEL = saved
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def op_kernels(on: bool):
+    """grouped_wgrad and rows_out both on (the tiled rows) or both off (tiled_part: the op before them)."""
+    return switched(grouped_op, USE_WGRAD_KERNEL=on, USE_ROWS_KERNEL=on)
 
 
 WGRAD_CONFIGS = [  # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages, loads through tensor descriptors)
@@ -149,7 +155,6 @@ def wgrad_sweep(data, inter: int, repeats: int = 10) -> None:
         "down (K=I, N=D)": (torch.randn(t - s, inter, device=x.device, dtype=x.dtype), dy[s:t], inter, d),
     }
 
-    default, tma = dict(kernels._WGRAD), kernels.USE_TMA
     for name, (a, b, k, width) in cases.items():
         grad = torch.empty(experts, k, width, device=x.device, dtype=x.dtype)
         flops = 2 * (t - s) * k * width
@@ -161,16 +166,15 @@ def wgrad_sweep(data, inter: int, repeats: int = 10) -> None:
             carries = [torch.float32] + ([torch.bfloat16] if cfg[5] not in seen else [])
             seen.add(cfg[5])
             for carry_dtype in carries:
-                kernels._WGRAD, kernels.USE_TMA = dict(zip(_CFG_KEYS, cfg[:5])), cfg[5]
                 carry = torch.empty(2, k, width, device=x.device, dtype=carry_dtype)
                 label = f"{cfg[:5]} {'tma' if cfg[5] else 'pointers'} carry {str(carry_dtype)[6:]}"
                 try:
-                    ms = measure(kernels.grouped_wgrad, (grad, carry, a, b, offs, s, t, n, 1, False), {}, repeats)[0]
+                    with switched(kernels, _WGRAD=dict(zip(_CFG_KEYS, cfg[:5])), USE_TMA=cfg[5]):
+                        args = (grad, carry, a, b, offs, s, t, n, 1, False)
+                        ms = measure(kernels.grouped_wgrad, args, {}, repeats)[0]
                     print(f"   {label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
                 except Exception as exc:  # a config past the shared memory of this GPU, or a load it cannot take
                     print(f"   {label}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
-                finally:
-                    kernels._WGRAD, kernels.USE_TMA = default, tma
 
 
 def speed(unit: int, ms: float, base_ms: float, own: int) -> dict:
@@ -239,20 +243,18 @@ def main() -> None:
     loads = {"pointers": [False], "tma": [True], "both": [False, True]}[args.wgrad_loads]
     for chunk, accum in variants:
         for tma in loads:
-            kernels.USE_TMA, default_tma = tma, kernels.USE_TMA
             try:
-                with op_kernels(True):  # the tiled rows: weight grads by grouped_wgrad, rows by rows_out
+                # the tiled rows: weight grads by grouped_wgrad, rows by rows_out
+                with op_kernels(True), switched(kernels, USE_TMA=tma):
                     ms, gib = measure(step_tiled, data, dict(chunk=chunk, grad_accum=accum), args.repeats)
                     err = grad_err(dict(chunk=chunk, grad_accum=accum))
-                ran = kernels.tma_runs(device) and grouped_op.wgrad_kernel_runs(device)
+                    ran = kernels.tma_runs(device) and grouped_op.wgrad_kernel_runs(device)
             except Exception as exc:  # the descriptor loads on a Triton or GPU that cannot take them: said, not fatal
                 if not tma:
                     raise
                 print(f"tiled chunk={chunk} {accum} with tensor descriptors failed: {type(exc).__name__}: "
                       f"{str(exc)[:300]}", flush=True)  # fmt: skip
                 continue
-            finally:
-                kernels.USE_TMA = default_tma
             auto = grouped_op._grouped_chunk(rows, args.inter, torch.bfloat16, chunk, 256)
             notes = ["chunk from mlp_chunk_budget_mb=256 (split evenly)" if chunk == 0 else ""]
             notes.append(f"grouped_wgrad loads: {'tensor descriptors' if ran else 'pointers'}")
@@ -268,14 +270,9 @@ def main() -> None:
                 note="; ".join(n for n in notes if n),
             )
     if device.type == "cuda" and args.grid_row:  # grouped_wgrad before it went persistent: a block an (expert, tile)
-        persistent = kernels._programs
-        kernels._programs = lambda _device: 1 << 30
-        try:
-            with op_kernels(True):
-                ms, gib = measure(step_tiled, data, {}, args.repeats)
-                err = grad_err({})
-        finally:
-            kernels._programs = persistent
+        with op_kernels(True), switched(kernels, _programs=lambda _device: 1 << 30):
+            ms, gib = measure(step_tiled, data, {}, args.repeats)
+            err = grad_err({})
         budget_chunk = grouped_op._grouped_chunk(rows, args.inter, torch.bfloat16, 0, 256)
         row(method="tiled_grid", tokens=tokens, rows=rows, chunk=budget_chunk, grad_accum="fp32",
             **speed(unit, ms, base_ms, 22), peak_extra_gib=round(gib, 3), grad_err=err,

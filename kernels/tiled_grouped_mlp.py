@@ -376,7 +376,13 @@ USE_TMA = False
 
 def tma_runs(device: torch.device) -> bool:
     """Whether grouped_wgrad loads through tensor descriptors on ``device`` (always under the interpreter)."""
-    if not (USE_TMA and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):
+    return USE_TMA and _has_tma(device)
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Triton makes descriptors on the device, and the GPU has TMA (sm_90+); asked once a device, not each launch."""
+    if not (hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):
         return False
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
