@@ -121,19 +121,22 @@ def op_kernels(on: bool):
     return switched(grouped_op, USE_WGRAD_KERNEL=on, USE_ROWS_KERNEL=on)
 
 
-WGRAD_CONFIGS = [  # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages, loads through tensor descriptors)
-    (128, 256, 64, 8, 3, False),  # the default's
-    (128, 128, 64, 8, 4, False),
-    (128, 256, 64, 8, 3, True),
-    (128, 256, 64, 8, 4, True),
-    (128, 256, 32, 8, 4, True),
-    (128, 128, 64, 8, 4, True),
-    (128, 128, 64, 4, 4, True),
-    (256, 128, 64, 8, 3, True),
-    (64, 256, 64, 4, 4, True),
-    (128, 128, 128, 8, 3, True),
+WGRAD_CONFIGS = [  # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages, HALVES, loads through tensor descriptors)
+    (128, 256, 64, 8, 3, 1, False),  # the default's
+    (128, 256, 64, 8, 3, 2, False),  # the same, the tile's columns in two accumulators (the epilogue's registers)
+    (128, 128, 64, 8, 4, 1, False),
+    (128, 256, 64, 8, 3, 1, True),
+    (128, 256, 64, 8, 3, 2, True),
+    (128, 256, 64, 8, 4, 1, True),
+    (128, 256, 64, 8, 4, 2, True),
+    (128, 256, 32, 8, 4, 1, True),
+    (128, 128, 64, 8, 4, 1, True),
+    (128, 128, 64, 4, 4, 1, True),
+    (256, 128, 64, 8, 3, 1, True),
+    (64, 256, 64, 4, 4, 1, True),
+    (128, 128, 128, 8, 3, 1, True),
 ]
-_CFG_KEYS = ("BLOCK_K", "BLOCK_N", "BLOCK_R", "num_warps", "num_stages")
+_CFG_KEYS = ("BLOCK_K", "BLOCK_N", "BLOCK_R", "num_warps", "num_stages", "HALVES")
 
 
 def wgrad_sweep(data, inter: int, repeats: int = 10) -> None:
@@ -163,13 +166,13 @@ def wgrad_sweep(data, inter: int, repeats: int = 10) -> None:
               flush=True)  # fmt: skip
         seen = set()
         for cfg in WGRAD_CONFIGS:
-            carries = [torch.float32] + ([torch.bfloat16] if cfg[5] not in seen else [])
-            seen.add(cfg[5])
+            carries = [torch.float32] + ([torch.bfloat16] if cfg[6] not in seen else [])
+            seen.add(cfg[6])
             for carry_dtype in carries:
                 carry = torch.empty(2, k, width, device=x.device, dtype=carry_dtype)
-                label = f"{cfg[:5]} {'tma' if cfg[5] else 'pointers'} carry {str(carry_dtype)[6:]}"
+                label = f"{cfg[:6]} {'tma' if cfg[6] else 'pointers'} carry {str(carry_dtype)[6:]}"
                 try:
-                    with switched(kernels, _WGRAD=dict(zip(_CFG_KEYS, cfg[:5])), USE_TMA=cfg[5]):
+                    with switched(kernels, _WGRAD=dict(zip(_CFG_KEYS, cfg[:6])), USE_TMA=cfg[6]):
                         args = (grad, carry, a, b, offs, s, t, n, 1, False)
                         ms = measure(kernels.grouped_wgrad, args, {}, repeats)[0]
                     print(f"   {label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)

@@ -28,7 +28,9 @@ persistent (one program an SM takes the (expert, tile) items in turn): a chunk h
 block launched for each absent expert's tiles cost 0.9 ms of the op's 20.0 at Qwen3-30B-A3B's shape on the H100.
 With ``TMA`` it loads the row tiles through tensor descriptors (TMA on Hopper), one per item spanning its expert's
 rows, so the copy engine zero-fills past them instead of a mask per element. That runs under ``USE_TMA``, off until
-a GPU run measures it (``bash benchmarks/gpu_moe.sh OUT tma``); the interpreter test checks its grads.
+a GPU run measures it (``bash benchmarks/gpu_moe.sh OUT tma``); the interpreter test checks its grads. ``HALVES``
+(1 by default) = 2 keeps the tile's columns in two accumulators, each added to the carry and stored on its own,
+for the epilogue's registers; ``bench_moe_op.py --wgrad-sweep`` times it.
 
 ``_tiled_grouped_mlp_bwd_weighted_kernel`` is the backward kernel with HF's routing weight ``w[r]`` (the op's
 ``row_weight``, ``y = (h Wd) * w``) in it: ``dh`` comes in as the grad of ``h Wd`` unscaled (``grouped_mm(dy,
@@ -203,14 +205,16 @@ if HAS_TRITON:
     def _grouped_wgrad_kernel(
         a_ptr, b_ptr, grad_ptr, carry_ptr, offs_ptr, K, N, per_expert, stride_a, stride_b, start, stop, rows, slot_in,
         slot_out, experts, LAST: tl.constexpr, TMA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr,
+        BLOCK_R: tl.constexpr, HALVES: tl.constexpr,
     ):  # fmt: skip
         # persistent: program p takes the (expert, [K, N] tile) items p, p + P, ... (P programs, about one an SM). A
         # chunk holds a few experts' rows; the other experts' items cost two loads each here, where a grid of
         # (tiles, experts) launched a block for each of them; a and b hold the chunk's rows only (row start..stop-1
         # is a's row 0..). TMA: the row tiles through tensor descriptors (TMA on Hopper), an item's spanning its
         # expert's rows only, so the copy engine zero-fills the rows past them (the next expert's) where the pointer
-        # loads take a mask per element
+        # loads take a mask per element. HALVES: the tile's columns as two accumulators of BLOCK_N / 2, each through
+        # the carry and stored on its own, so that the epilogue holds one half's carry beside the sums, not the
+        # whole tile's (fp32 [BLOCK_K, BLOCK_N] twice is past the registers of a 128 x 256 tile)
         tiles_n = tl.cdiv(N, BLOCK_N)
         tiles = tl.cdiv(K, BLOCK_K) * tiles_n
         for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
@@ -223,8 +227,10 @@ if HAS_TRITON:
             empty = hi <= lo
             if present | (LAST & empty):
                 ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
-                ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-                acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+                n0 = pn * BLOCK_N
+                ns = n0 + tl.arange(0, BLOCK_N // HALVES)  # the first half's columns (all of them without HALVES)
+                acc = tl.zeros((BLOCK_K, BLOCK_N // HALVES), dtype=tl.float32)
+                acc2 = tl.zeros((BLOCK_K, BLOCK_N // HALVES), dtype=tl.float32)  # the second half's (HALVES == 2)
                 # an empty expert's loop runs no step (r0 >= r1): its grad is the zeros
                 if TMA:
                     count = tl.maximum(r1 - r0, 1)  # an empty expert's descriptors are made, never read
@@ -239,23 +245,35 @@ if HAS_TRITON:
                         b_ptr + first * stride_b,
                         shape=[count, N],
                         strides=[stride_b, 1],
-                        block_shape=[BLOCK_R, BLOCK_N],
+                        block_shape=[BLOCK_R, BLOCK_N // HALVES],
                     )
                     for r in range(0, r1 - r0, BLOCK_R):
-                        acc += tl.dot(tl.trans(a_rows.load([r, pk * BLOCK_K])), b_rows.load([r, pn * BLOCK_N]))
+                        a_t = tl.trans(a_rows.load([r, pk * BLOCK_K]))
+                        acc += tl.dot(a_t, b_rows.load([r, n0]))
+                        if HALVES == 2:
+                            acc2 += tl.dot(a_t, b_rows.load([r, n0 + BLOCK_N // 2]))
                 else:
                     for r in range(r0, r1, BLOCK_R):
                         rs = r + tl.arange(0, BLOCK_R)
                         in_rows = rs < r1  # the expert's last rows: the next expert's are not its own
                         a = tl.load(a_ptr + rs.to(tl.int64)[:, None] * stride_a + ks[None, :],
                                     mask=in_rows[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
-                        b = tl.load(b_ptr + rs.to(tl.int64)[:, None] * stride_b + ns[None, :],
-                                    mask=in_rows[:, None] & (ns[None, :] < N), other=0.0)  # fmt: skip
-                        acc += tl.dot(tl.trans(a), b)
+                        b_at = b_ptr + rs.to(tl.int64)[:, None] * stride_b + ns[None, :]
+                        b = tl.load(b_at, mask=in_rows[:, None] & (ns[None, :] < N), other=0.0)
+                        a_t = tl.trans(a)
+                        acc += tl.dot(a_t, b)
+                        if HALVES == 2:
+                            b2 = tl.load(b_at + BLOCK_N // 2, mask=in_rows[:, None] & (ns[None, :] + BLOCK_N // 2 < N),
+                                         other=0.0)  # fmt: skip
+                            acc2 += tl.dot(a_t, b2)
+                begun, goes_on = present & (lo < start), present & (hi > stop)
                 tile = ks.to(tl.int64)[:, None] * N + ns[None, :]
                 inside = (ks[:, None] < K) & (ns[None, :] < N)
-                _carry_store(acc, grad_ptr, carry_ptr, e, per_expert, tile, inside, slot_in, slot_out,
-                             present & (lo < start), present & (hi > stop))  # fmt: skip
+                _carry_store(acc, grad_ptr, carry_ptr, e, per_expert, tile, inside, slot_in, slot_out, begun, goes_on)
+                if HALVES == 2:
+                    inside2 = (ks[:, None] < K) & (ns[None, :] + BLOCK_N // 2 < N)
+                    _carry_store(acc2, grad_ptr, carry_ptr, e, per_expert, tile + BLOCK_N // 2, inside2, slot_in,
+                                 slot_out, begun, goes_on)  # fmt: skip
 
 # ----------------------------------------------------------------------------------------------------------------
 # launchers
@@ -368,7 +386,7 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_WGRAD = dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, num_warps=8, num_stages=3)
+_WGRAD = dict(BLOCK_K=128, BLOCK_N=256, BLOCK_R=64, HALVES=1, num_warps=8, num_stages=3)
 # the row tiles through tensor descriptors (_grouped_wgrad_kernel's TMA) where the GPU has TMA (sm_90+) and Triton
 # makes descriptors on the device; off until its GPU run (benchmarks/bench_moe_op.py --wgrad-sweep)
 USE_TMA = False

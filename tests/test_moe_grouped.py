@@ -483,6 +483,28 @@ _TRITON_WORKER = textwrap.dedent(
         assert torch.allclose(grads[0].double(), exact, rtol=4 * tol, atol=4 * tol), (dtype, carry_dtype)
     K.USE_TMA = False
 
+    # the tile's columns in two accumulators (HALVES): blocks of 16 x 32 over [K 16, N 40], so a tile's second half
+    # holds real columns in the first tile and a part in the last; pointer and descriptor loads
+    default = K._WGRAD
+    K._WGRAD = dict(BLOCK_K=16, BLOCK_N=32, BLOCK_R=16, HALVES=2, num_warps=4, num_stages=2)
+    for tma in (False, True):
+        K.USE_TMA = tma
+        a_all, b_all = torch.randn(40, 16), torch.randn(40, 48)
+        grads = [torch.full((7, 16, 40), float("nan")) for _ in range(2)]
+        carries = [torch.full((2, 16, 40), float("nan")) for _ in range(2)]
+        for index, s in enumerate(range(0, 40, 8)):
+            args = (a_all[s:s + 8], b_all[s:s + 8, 4:44], offsets, s, s + 8, 40, index, index == 4)
+            assert all(K._tma_aligned(t) for t in args[:2])
+            K.grouped_wgrad(grads[0], carries[0], *args)
+            reference.grouped_wgrad_reference(grads[1], carries[1], *args)
+        assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5), (tma, (grads[0] - grads[1]).abs().max())
+        exact = torch.zeros(7, 16, 40, dtype=torch.float64)
+        for e in range(7):
+            rows = slice(bounds[e], bounds[e + 1])
+            exact[e] = a_all[rows].double().t() @ b_all[rows, 4:44].double()
+        assert torch.allclose(grads[0].double(), exact, rtol=4e-5, atol=4e-5), tma
+    K._WGRAD, K.USE_TMA = default, False
+
     # a chunk's rows into the op's: times the row weight (fp32 and fp16), zero past offsets[-1], y with padded rows
     offs = torch.tensor([3, 9, 21], dtype=torch.int32)
     for dtype, w_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32),
