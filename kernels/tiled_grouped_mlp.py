@@ -410,15 +410,30 @@ def _tma_aligned(t: Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
-def _scratch(device: torch.device):
-    """Triton's allocator for the descriptors a kernel makes on the device: a torch buffer on ``device``. Set at
-    each launch, as Inductor's launcher does: the allocator is a context variable, and autograd runs the backward in
-    threads of its own."""
+class _Scratch:
+    """Triton's allocator for the descriptors a kernel makes on the device: a torch buffer on ``device``."""
 
-    def alloc(size: int, alignment: int, stream) -> Tensor:
-        return torch.empty(size, dtype=torch.int8, device=device)
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
-    return alloc
+    def __call__(self, size: int, alignment: int, stream) -> Tensor:
+        return torch.empty(size, dtype=torch.int8, device=self.device)
+
+
+def _ensure_allocator(device: torch.device) -> None:
+    """An allocator for the descriptors' scratch on ``device``, set at each launch as Inductor's launcher does (the
+    allocator is a context variable, and autograd runs the backward in threads of its own); one the user set in this
+    context is left in place (any allocator of device memory serves), ours for another device is replaced."""
+    allocation = getattr(triton.runtime, "_allocation", None)
+    current = getattr(allocation, "_allocator", None)
+    null = getattr(allocation, "NullAllocator", None)
+    if current is not None and null is not None:
+        now = current.get()
+        if isinstance(now, _Scratch) and now.device == device:
+            return
+        if not isinstance(now, (null, _Scratch)):
+            return
+    triton.set_allocator(_Scratch(device))
 
 
 def grouped_wgrad(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Tensor, start: int, stop: int,
@@ -438,7 +453,7 @@ def grouped_wgrad(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Te
         items = triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"]) * experts
         tma = tma_runs(a.device) and all(_tma_aligned(t) for t in (a, b))
         if tma:
-            triton.set_allocator(_scratch(a.device))
+            _ensure_allocator(a.device)
         _grouped_wgrad_kernel[(min(items, _programs(a.device)),)](
             a, b, grad, carry, offsets, k, n, k * n, a.stride(0), b.stride(0), start, stop, rows, (index + 1) % 2,
             index % 2, experts, LAST=last, TMA=tma, **cfg,

@@ -481,6 +481,26 @@ _TRITON_WORKER = textwrap.dedent(
             rows = slice(bounds[e], bounds[e + 1])
             exact[e] = a_all[rows].double().t() @ b_all[rows, 8:16].double()
         assert torch.allclose(grads[0].double(), exact, rtol=4 * tol, atol=4 * tol), (dtype, carry_dtype)
+    # the descriptors' allocator: a thread with none gets the launcher's; one the user set stays in place
+    import threading
+
+    import triton
+    from triton.runtime import _allocation
+
+    args = (a_all[:8], b_all[:8, 8:16], offsets, 0, 8, 40, 0, False)
+    seen = []
+    worker = threading.Thread(target=lambda: (K.grouped_wgrad(grads[0], carries[0], *args),
+                                              seen.append(_allocation._allocator.get())))  # fmt: skip
+    worker.start()
+    worker.join()
+    assert len(seen) == 1 and isinstance(seen[0], K._Scratch), seen
+
+    def users(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    triton.set_allocator(users)
+    K.grouped_wgrad(grads[0], carries[0], *args)
+    assert _allocation._allocator.get() is users
     K.USE_TMA = False
 
     # the tile's columns in two accumulators (HALVES): blocks of 16 x 32 over [K 16, N 40], so a tile's second half
