@@ -212,9 +212,10 @@ if HAS_TRITON:
         # (tiles, experts) launched a block for each of them; a and b hold the chunk's rows only (row start..stop-1
         # is a's row 0..). TMA: the row tiles through tensor descriptors (TMA on Hopper), an item's spanning its
         # expert's rows only, so the copy engine zero-fills the rows past them (the next expert's) where the pointer
-        # loads take a mask per element. HALVES: the tile's columns as two accumulators of BLOCK_N / 2, each through
-        # the carry and stored on its own, so that the epilogue holds one half's carry beside the sums, not the
-        # whole tile's (fp32 [BLOCK_K, BLOCK_N] twice is past the registers of a 128 x 256 tile)
+        # loads take a mask per element. HALVES (1 or 2): 2 keeps the tile's columns as two accumulators of
+        # BLOCK_N / 2, each through the carry and stored on its own, so that the epilogue holds one half's carry
+        # beside the sums, not the whole tile's (at 128 x 256 and 8 warps the fp32 sums are 128 registers a thread,
+        # and a whole tile's fp32 carry 128 more)
         tiles_n = tl.cdiv(N, BLOCK_N)
         tiles = tl.cdiv(K, BLOCK_K) * tiles_n
         for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
@@ -450,6 +451,8 @@ def grouped_wgrad(grad: Tensor, carry: Tensor, a: Tensor, b: Tensor, offsets: Te
         raise ValueError("tiled_grouped_mlp kernels: offsets must be [E] int32, a and b one dtype")
     if experts and k and n:
         cfg = _WGRAD
+        if cfg["HALVES"] not in (1, 2):
+            raise ValueError(f"tiled_grouped_mlp kernels: grouped_wgrad's HALVES must be 1 or 2, got {cfg['HALVES']}")
         items = triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"]) * experts
         tma = tma_runs(a.device) and all(_tma_aligned(t) for t in (a, b))
         if tma:

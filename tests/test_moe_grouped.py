@@ -523,6 +523,12 @@ _TRITON_WORKER = textwrap.dedent(
             rows = slice(bounds[e], bounds[e + 1])
             exact[e] = a_all[rows].double().t() @ b_all[rows, 4:44].double()
         assert torch.allclose(grads[0].double(), exact, rtol=4e-5, atol=4e-5), tma
+    K._WGRAD = dict(K._WGRAD, HALVES=4)  # no kernel for quarters: an error, not three quarters of the columns dropped
+    try:
+        K.grouped_wgrad(grads[0], carries[0], *args)
+        raise AssertionError("HALVES=4 ran")
+    except ValueError as exc:
+        assert "HALVES" in str(exc)
     K._WGRAD, K.USE_TMA = default, False
 
     # a chunk's rows into the op's: times the row weight (fp32 and fp16), zero past offsets[-1], y with padded rows
