@@ -440,47 +440,42 @@ _TRITON_WORKER = textwrap.dedent(
             reference.carry_accumulate_reference(grads[1], carries[1], *args)
         assert torch.equal(grads[0], grads[1]), (dtype, carry_dtype, (grads[0] - grads[1]).abs().max())
     # the weight-grad GEMM with the carry in it, on the same chunks (b a column slice, as gu[:, :I] is)
-    for dtype, carry_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32),
-                               (torch.float16, torch.float16)):
-        grads = [torch.full((7, 5, 6), float("nan"), dtype=dtype) for _ in range(2)]
-        carries = [torch.full((2, 5, 6), float("nan"), dtype=carry_dtype) for _ in range(2)]
-        a_all, b_all = torch.randn(40, 5).to(dtype), torch.randn(40, 13).to(dtype)
+    bounds = [0, *offsets.tolist()]
+
+    def check_wgrad(k, b_width, cols, dtype, carry_dtype, aligned=False):
+        # grouped_wgrad over the 5 chunks (a [40, k], b the columns cols of [40, b_width]) against its reference and
+        # float64; the arrays, both grads and carries, and the last chunk's arguments back
+        a_all, b_all = torch.randn(40, k).to(dtype), torch.randn(40, b_width).to(dtype)
+        width = cols.stop - cols.start
+        grads = [torch.full((7, k, width), float("nan"), dtype=dtype) for _ in range(2)]
+        carries = [torch.full((2, k, width), float("nan"), dtype=carry_dtype) for _ in range(2)]
         for index, s in enumerate(range(0, 40, 8)):
-            args = (a_all[s:s + 8], b_all[s:s + 8, 3:9], offsets, s, s + 8, 40, index, index == 4)
+            args = (a_all[s:s + 8], b_all[s:s + 8, cols], offsets, s, s + 8, 40, index, index == 4)
+            if aligned:  # the descriptors' starts and row strides
+                assert all(K._tma_aligned(t) for t in args[:2])
             K.grouped_wgrad(grads[0], carries[0], *args)
             reference.grouped_wgrad_reference(grads[1], carries[1], *args)
         tol = 1e-5 if dtype == torch.float32 else 5e-3  # an fp16 carry: the reference rounds the part first
         assert torch.allclose(grads[0].float(), grads[1].float(), rtol=tol, atol=tol), (dtype, carry_dtype,
                                                                                   (grads[0] - grads[1]).abs().max())
-        exact = torch.zeros(7, 5, 6, dtype=torch.float64)  # every expert's rows, in float64
-        bounds = [0, *offsets.tolist()]
+        exact = torch.zeros(7, k, width, dtype=torch.float64)  # every expert's rows, in float64
         for e in range(7):
             rows = slice(bounds[e], bounds[e + 1])
-            exact[e] = a_all[rows].double().t() @ b_all[rows, 3:9].double()
+            exact[e] = a_all[rows].double().t() @ b_all[rows, cols].double()
         worst = (grads[0].double() - exact).abs().max()
         assert torch.allclose(grads[0].double(), exact, rtol=4 * tol, atol=4 * tol), (dtype, carry_dtype, worst)
+        return a_all, b_all, grads, carries, args
+
+    for dtype, carry_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32),
+                               (torch.float16, torch.float16)):
+        check_wgrad(5, 13, slice(3, 9), dtype, carry_dtype)
 
     # the same through tensor descriptors (TMA's loads): each expert's rows in a descriptor of their own, zero-filled
     # past them; starts and row strides 16-byte aligned, as the op's operands are (b a column slice at 16 bytes)
     K.USE_TMA = True
     assert K.tma_runs(torch.device("cpu"))
     for dtype, carry_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float32)):
-        a_all, b_all = torch.randn(40, 8).to(dtype), torch.randn(40, 24).to(dtype)
-        grads = [torch.full((7, 8, 8), float("nan"), dtype=dtype) for _ in range(2)]
-        carries = [torch.full((2, 8, 8), float("nan"), dtype=carry_dtype) for _ in range(2)]
-        for index, s in enumerate(range(0, 40, 8)):
-            args = (a_all[s:s + 8], b_all[s:s + 8, 8:16], offsets, s, s + 8, 40, index, index == 4)
-            assert all(K._tma_aligned(t) for t in args[:2])
-            K.grouped_wgrad(grads[0], carries[0], *args)
-            reference.grouped_wgrad_reference(grads[1], carries[1], *args)
-        tol = 1e-5 if dtype == torch.float32 else 5e-3
-        assert torch.allclose(grads[0].float(), grads[1].float(), rtol=tol, atol=tol), (dtype, carry_dtype,
-                                                                                  (grads[0] - grads[1]).abs().max())
-        exact = torch.zeros(7, 8, 8, dtype=torch.float64)
-        for e in range(7):
-            rows = slice(bounds[e], bounds[e + 1])
-            exact[e] = a_all[rows].double().t() @ b_all[rows, 8:16].double()
-        assert torch.allclose(grads[0].double(), exact, rtol=4 * tol, atol=4 * tol), (dtype, carry_dtype)
+        a_all, b_all, grads, carries, _ = check_wgrad(8, 24, slice(8, 16), dtype, carry_dtype, aligned=True)
     # the descriptors' allocator: a thread with none gets the launcher's; one the user set stays in place
     import threading
 
@@ -509,20 +504,7 @@ _TRITON_WORKER = textwrap.dedent(
     K._WGRAD = dict(BLOCK_K=16, BLOCK_N=32, BLOCK_R=16, HALVES=2, num_warps=4, num_stages=2)
     for tma in (False, True):
         K.USE_TMA = tma
-        a_all, b_all = torch.randn(40, 16), torch.randn(40, 48)
-        grads = [torch.full((7, 16, 40), float("nan")) for _ in range(2)]
-        carries = [torch.full((2, 16, 40), float("nan")) for _ in range(2)]
-        for index, s in enumerate(range(0, 40, 8)):
-            args = (a_all[s:s + 8], b_all[s:s + 8, 4:44], offsets, s, s + 8, 40, index, index == 4)
-            assert all(K._tma_aligned(t) for t in args[:2])
-            K.grouped_wgrad(grads[0], carries[0], *args)
-            reference.grouped_wgrad_reference(grads[1], carries[1], *args)
-        assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5), (tma, (grads[0] - grads[1]).abs().max())
-        exact = torch.zeros(7, 16, 40, dtype=torch.float64)
-        for e in range(7):
-            rows = slice(bounds[e], bounds[e + 1])
-            exact[e] = a_all[rows].double().t() @ b_all[rows, 4:44].double()
-        assert torch.allclose(grads[0].double(), exact, rtol=4e-5, atol=4e-5), tma
+        _, _, grads, carries, args = check_wgrad(16, 48, slice(4, 44), torch.float32, torch.float32, aligned=True)
     K._WGRAD = dict(K._WGRAD, HALVES=4)  # no kernel for quarters: an error, not three quarters of the columns dropped
     try:
         K.grouped_wgrad(grads[0], carries[0], *args)
